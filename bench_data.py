@@ -1,0 +1,237 @@
+"""Benchmark files -> a uniform list of Items (query q, gold answer y*, answer kind).
+
+This is the data side of the paper's evaluation (PAPER.md sections 3 and 5): the
+benchmark files come in the official AgentFlow format, a JSON list whose rows
+name the same things differently - an id in pid / idx / id, the question in
+query / question / problem, the answer as a list, a string, a number or a
+stringified list "['a', 'b']", options as a list or a letter->text dict, and
+Game of 24 puzzles as a bare list of four numbers. Nothing here is keyed to one
+file: each rule looks at the fields (the one rule that reads a file name is a
+fallback for a Game-of-24 file without a numbers field), and the answer kind
+that judge.score needs is inferred from them:
+
+    options present                     -> choice
+    four puzzle numbers present         -> game24
+    every gold alias of the file parses as a plain number -> number
+    otherwise                           -> text
+
+Our own task files (.jsonl, one {"question", "answer", "kind"} object per line)
+load through the same path; an explicit kind wins over inference.
+
+Simplifications: the number kind is decided per file, not per row (a text
+dataset whose answer happens to be "1932" stays text; judge.score still accepts
+"1,932" there); images are ignored (none of the eight files has one). The
+official output-format sentence ("When ready, output the final answer enclosed
+in <answer> and </answer> tags ...") is cut from questions, since the agent's
+own prompts say how to format the answer; the original text stays in
+meta["raw_question"].
+"""
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from judge import KINDS, game24_number_sets, gold_aliases, parse_number, strip_option_labels
+
+# Field names, in order of preference. "query" comes before "question" because
+# in the official files "query" is the text that was shown to the model (medqa's
+# "question" lists the options twice; gameof24's "question" is the number list).
+ID_FIELDS = ("id", "pid", "idx", "qid", "_id", "question_id")
+QUESTION_FIELDS = ("query", "question", "problem", "prompt", "input")
+ANSWER_FIELDS = ("answer", "answers", "gold", "target", "final_answer", "label")
+OPTION_FIELDS = ("options", "choices")
+NUMBER_FIELDS = ("numbers", "nums", "puzzle", "question", "input")
+KIND_FIELDS = ("kind",)
+
+# Output-format instructions appended to questions in the official files.
+_BOILERPLATE = re.compile(r"\s*When ready, output the final answer enclosed in <answer> and </answer> tags\..*$",
+                          re.DOTALL)
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass
+class Item:
+    id: str                       # unique within its file
+    question: str                 # the text the agent sees (options and game24 rules included)
+    gold: list[str]               # gold aliases; for game24 the reference expressions (or the numbers)
+    kind: str                     # one of judge.KINDS
+    options: list[str] | None = None   # choice: option texts without "A. " labels, in letter order
+    numbers: list[int] | None = None   # game24: the four numbers
+    meta: dict = field(default_factory=dict)  # every other field of the row, plus source and row
+
+
+def _read_rows(path: Path) -> list:
+    """The raw rows of a .json (a list, or a dict wrapping one) or .jsonl file."""
+    if not path.exists():
+        raise FileNotFoundError(f"benchmark file not found: {path}")
+    if path.suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n} is not valid JSON: {e}") from None
+        return rows
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        if len(lists) == 1:  # {"data": [...]} and the like
+            return lists[0]
+        if data and all(isinstance(v, dict) for v in data.values()):  # {"id": {row}, ...}
+            return [{"id": k, **v} for k, v in data.items()]
+    raise ValueError(f"{path}: expected a JSON list of rows (or a dict holding one list of rows), "
+                     f"got {type(data).__name__}")
+
+
+def _first(row: dict, names, ok=lambda v: v is not None):
+    """(name, value) of the first field in names whose value passes ok, else (None, None)."""
+    for name in names:
+        if name in row and ok(row[name]):
+            return name, row[name]
+    return None, None
+
+
+def _options(value) -> list[str] | None:
+    """Options as a list of texts in letter order, labels stripped."""
+    if isinstance(value, dict):
+        if isinstance(value.get("text"), list):  # {"label": [...], "text": [...]}
+            return [str(t).strip() for t in value["text"]] or None
+        # {"A": "...", "B": "..."}: sort by key so that letters map to positions
+        return [str(value[k]).strip() for k in sorted(value, key=str)] or None
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            return None
+    if isinstance(value, (list, tuple)) and value:
+        return strip_option_labels([str(v) for v in value])
+    return None
+
+
+def _int_list(value) -> list[int] | None:
+    """A list of 3-6 integers given as a list or as a string ("4 4 6 8", "[4, 4, 6, 8]")."""
+    if isinstance(value, str):
+        t = value.strip()
+        if not re.fullmatch(r"\[?\s*\d+(?:\s*[, ]\s*\d+)*\s*\]?", t):
+            return None  # a question text, not a puzzle
+        value = [int(x) for x in re.findall(r"\d+", t)]
+    if isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return list(value) if 3 <= len(value) <= 6 else None
+    return None
+
+
+def _numbers_from_text(text: str) -> list[int] | None:
+    """Puzzle numbers written inside a Game-of-24 question: "Using the numbers [1, 1, 1, 8] ..."."""
+    m = re.search(r"\[\s*(\d+(?:\s*,\s*\d+){3})\s*\]", text)
+    return [int(x) for x in re.findall(r"\d+", m.group(1))] if m else None
+
+
+def _looks_like_game24(path: Path, rows: list) -> bool:
+    """A file with no numbers field that still is Game of 24: its name says so and
+    its questions ask to make 24."""
+    name = path.stem.lower()
+    if "24" not in name or not ("game" in name or "point" in name):
+        return False
+    texts = [_first(r, QUESTION_FIELDS, lambda v: isinstance(v, str))[1] or "" for r in rows[:20]]
+    return all("24" in t for t in texts)
+
+
+def load_benchmark(path: str, limit: int | None = None) -> list[Item]:
+    """Every row of a benchmark file as an Item; the first `limit` rows if given."""
+    path = Path(path)
+    rows = _read_rows(path)
+    where = lambda i: f"{path}: row {i}"
+    game24_file = _looks_like_game24(path, rows)
+
+    # Pass 1: fields per row. Kinds need the whole file (the number kind is a
+    # property of the dataset), so they are decided in pass 2.
+    parsed = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where(i)} is a {type(row).__name__}, expected a JSON object")
+        q_name, question = _first(row, QUESTION_FIELDS, lambda v: isinstance(v, str) and v.strip())
+        _, opts_raw = _first(row, OPTION_FIELDS)
+        options = _options(opts_raw) if opts_raw is not None else None
+        n_name, numbers = _first(row, NUMBER_FIELDS, lambda v: _int_list(v) is not None)
+        numbers = _int_list(numbers) if numbers is not None else None
+        if numbers is None and game24_file and question:
+            numbers = _numbers_from_text(question)
+        if question is None and numbers is None:
+            raise ValueError(f"{where(i)} has no question field: expected one of {', '.join(QUESTION_FIELDS)} "
+                             f"as a non-empty string; the row has fields {sorted(row)}")
+        a_name, answer = _first(row, ANSWER_FIELDS)
+        gold = gold_aliases(answer)
+        if not gold and numbers is None:
+            raise ValueError(f"{where(i)} has no gold answer: expected one of {', '.join(ANSWER_FIELDS)} "
+                             f"(a string, a number or a list); the row has fields {sorted(row)}")
+        _, kind = _first(row, KIND_FIELDS)
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"{where(i)} has kind {kind!r}; expected one of {KINDS}")
+        parsed.append(dict(row=row, q_name=q_name, question=question, options=options, numbers=numbers,
+                           n_name=n_name, a_name=a_name, gold=gold, kind=kind))
+
+    # Pass 2: kinds. A file is numeric when every gold alias of every row that is
+    # not choice/game24 is a plain number ("33", "-1", "3/4"; not "323 BC").
+    free = [p for p in parsed if p["kind"] is None and p["options"] is None and p["numbers"] is None]
+    numeric = bool(free) and all(parse_number(g, allow_units=False) is not None for p in free for g in p["gold"])
+    for p in parsed:
+        if p["kind"] is None:
+            p["kind"] = ("choice" if p["options"] is not None else "game24" if p["numbers"] is not None
+                         else "number" if numeric else "text")
+        if p["kind"] == "choice" and not p["options"]:
+            raise ValueError(f"{where(parsed.index(p))}: kind choice needs options "
+                             f"(one of {', '.join(OPTION_FIELDS)})")
+        if p["kind"] == "game24" and p["numbers"] is None:
+            # an explicit game24 row may give its numbers only in the question text
+            # or through its reference expression
+            sets = game24_number_sets(p["gold"]) if p["gold"] else []
+            p["numbers"] = _numbers_from_text(p["question"] or "") or (sets[0] if sets else None)
+            if p["numbers"] is None:
+                raise ValueError(f"{where(parsed.index(p))}: kind game24 needs its numbers "
+                                 f"(one of {', '.join(NUMBER_FIELDS)}, or a reference expression)")
+
+    # Ids: the row's own id when the file's ids are unique, else the row index
+    # (medqa repeats pid and idx 0..99 across its 300 rows).
+    ids = [_first(p["row"], ID_FIELDS)[1] for p in parsed]
+    unique = None not in ids and len({str(x) for x in ids}) == len(ids)
+
+    items = []
+    for i, p in enumerate(parsed[:limit] if limit is not None else parsed):
+        row, question = p["row"], p["question"]
+        used = {p["q_name"], p["a_name"], *OPTION_FIELDS, *KIND_FIELDS}
+        if p["kind"] == "game24":
+            used.add(p["n_name"])
+        meta = {k: v for k, v in row.items() if k not in used}
+        meta.update(source=path.stem, row=i)
+
+        if question is not None:
+            stripped = _BOILERPLATE.sub("", question).strip()
+            if stripped != question.strip():
+                meta["raw_question"] = question
+            question = stripped
+        if p["kind"] == "choice":
+            lines = [f"{_LETTERS[k]}. {o}" for k, o in enumerate(p["options"])]
+            if not all(line in question for line in lines):  # medqa's query lists them already
+                question = question.rstrip() + "\n" + "\n".join(lines)
+        if p["kind"] == "game24":
+            nums = ", ".join(str(n) for n in p["numbers"])
+            rule = f"Use the numbers {nums} each exactly once with + - * / to make 24."
+            if not question:
+                question = rule
+            elif "24" not in question:
+                question = question.rstrip() + "\n" + rule
+
+        gold = p["gold"] or [" ".join(str(n) for n in p["numbers"])]
+        items.append(Item(id=str(ids[i]) if unique else str(i), question=question, gold=gold, kind=p["kind"],
+                          options=p["options"] if p["kind"] == "choice" else None,
+                          numbers=p["numbers"] if p["kind"] == "game24" else None, meta=meta))
+    return items
