@@ -1,0 +1,94 @@
+"""The evolving memory M of one trajectory (paper, section 1: M^{t+1} = f_mem(M^t, a^t, e^t, v^t)).
+
+The paper replaces a growing hidden chain of thought with an explicit, structured,
+deterministic record of each turn. Because the planner only ever sees (q, K, M^t),
+every planner turn is a self-contained single-turn decision, and that is what makes
+Flow-GRPO's reward broadcast valid (every turn can be trained as its own prompt ->
+action pair). Two things follow for the code:
+
+  * one Memory per trajectory, created fresh for each rollout and never shared
+    (the official training workers never reset theirs, so earlier queries leak
+    into later prompts);
+  * rendering is a pure function of the records: the same records give the same
+    bytes, so the prompt the sampler saw can be rebuilt exactly.
+
+What we simplify: f_mem is "append one record"; nothing is summarised by an LLM.
+Instead of pasting a raw dict repr with no limit (prompts of 18k tokens in the
+official code), we render a compact text block and cap it:
+  * each tool result is cut to `result_chars` when it is recorded, with a visible
+    "...[cut N chars]" marker, so the reader knows text is missing;
+  * the whole block is cut to `budget_chars` by dropping the OLDEST turns first
+    (the latest evidence matters most to the next decision) and saying so.
+"""
+
+from dataclasses import dataclass, field
+
+
+def cut(text: str, limit: int) -> str:
+    """Cut `text` to at most `limit` characters, marking what was removed."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    marker = f"...[cut {len(text) - limit} chars]"
+    return text[: max(0, limit - len(marker))] + marker
+
+
+@dataclass
+class TurnRecord:
+    turn: int  # 1-based turn number t
+    sub_goal: str  # what the planner wanted from this turn
+    tool: str  # the tool the planner chose ("" when it named none)
+    command: str  # the concrete call the executor wrote (code, a search query, ...)
+    result: str  # the tool's output e^t, already cut to the memory's result budget
+    error: str  # "" on success, else why the turn failed (bad plan, tool error, ...)
+    verdict: str  # the verifier's v^t: "stop", "continue", or "" if it did not run
+
+    def render(self) -> str:
+        lines = [f"Turn {self.turn}: {self.tool or 'no tool'} - {self.sub_goal or '(no sub-goal)'}"]
+        if self.command:
+            lines.append(f"  Command: {self.command}")
+        if self.error:
+            lines.append(f"  Error: {self.error}")
+        if self.result:
+            lines.append(f"  Result: {self.result}")
+        return "\n".join(lines)
+
+
+@dataclass
+class Memory:
+    budget_chars: int = 1200  # cap on the rendered block the planner/verifier/generator read
+    result_chars: int = 400  # cap on one tool result as stored
+    records: list[TurnRecord] = field(default_factory=list)
+
+    def add(self, sub_goal: str, tool: str, command: str, result: str, error: str = "",
+            verdict: str = "") -> TurnRecord:
+        """f_mem: append this turn's record. Deterministic: no clock, no randomness."""
+        rec = TurnRecord(turn=len(self.records) + 1, sub_goal=cut(sub_goal, 200), tool=tool,
+                         command=cut(command, 300), result=cut(result, self.result_chars),
+                         error=cut(error, 200), verdict=verdict)
+        self.records.append(rec)
+        return rec
+
+    def render(self) -> str:
+        """The prompt block for M^t. Drops the oldest turns when over budget."""
+        if not self.records:
+            return "(empty: no tool has been used yet)"
+        blocks = [r.render() for r in self.records]
+        dropped = 0
+        # Keep the newest turns whole; drop from the front until the block fits.
+        while dropped < len(blocks) - 1 and _joined_len(blocks[dropped:], dropped) > self.budget_chars:
+            dropped += 1
+        text = "\n".join(blocks[dropped:])
+        if dropped:
+            text = f"[turns 1-{dropped} omitted]\n" + text
+        # A single huge turn can still exceed the budget: cut it, visibly.
+        return cut(text, self.budget_chars)
+
+    @property
+    def n_errors(self) -> int:
+        return sum(1 for r in self.records if r.error)
+
+
+def _joined_len(blocks: list[str], dropped: int) -> int:
+    header = len(f"[turns 1-{dropped} omitted]\n") if dropped else 0
+    return header + sum(len(b) for b in blocks) + max(0, len(blocks) - 1)
