@@ -1,0 +1,458 @@
+"""Tests for tools.py: the Python sandbox against hostile programs, BM25 against its
+formula, and the network tools against a local HTTP server (127.0.0.1, random port)
+that serves recorded-style replies to the real client code.
+
+Some sandbox guarantees hold only when the tests run as root (as in CI), because only
+root can run the program under another uid; those tests are skipped otherwise.
+"""
+
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tools  # noqa: E402
+from tools import BM25, ToolResult, build_tools, cap_text, extract_code, run_tool_calls  # noqa: E402
+
+AS_ROOT = os.geteuid() == 0
+root_only = pytest.mark.skipif(not AS_ROOT, reason="only root can run the program under its own uid")
+POOL = range(tools.DEFAULT_TOOL_CFG["python_sandbox_uid"],
+              tools.DEFAULT_TOOL_CFG["python_sandbox_uid"] + tools._UID_POOL_SIZE)
+
+
+def coder(**cfg) -> tools.PythonCoder:
+    return tools.PythonCoder({"python_timeout_s": 2, **cfg})
+
+
+def survivors(marker: str, uids=()) -> set[str]:
+    """Processes (zombies included) running as one of `uids` or showing `marker` in their
+    command line or name. Tests compare before/after, so a stray one cannot fail them."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # it ended while we looked
+            continue
+        uid = int(status.split("Uid:")[1].split()[0])
+        if uid in uids or marker in cmdline or marker[:15] in status.split("\n")[0]:
+            found.add(f"pid {pid} uid {uid}")
+    return found
+
+
+@pytest.fixture
+def used_uids(monkeypatch):
+    """The sandbox uids handed out during the test (empty when not root)."""
+    uids, take = [], tools._take_uid
+
+    def recording(base):
+        uid, fd = take(base)
+        uids.append(uid)
+        return uid, fd
+
+    monkeypatch.setattr(tools, "_take_uid", recording)
+    return uids
+
+
+# ----------------------------------------------------------------------------- sandbox
+
+def test_sandbox_runs_a_correct_program():
+    r = coder().run("Here you go:\n```python\nimport math\nprint(math.factorial(25))\n```")
+    assert r == ToolResult(output=str(math.factorial(25)))
+
+
+def test_sandbox_errors_are_short_and_useful():
+    assert coder().run("def f(:\n    pass").error.startswith("line 1: SyntaxError")
+    assert coder().run("x = 1\nprint(x / 0)").error == "line 2: ZeroDivisionError: division by zero"
+    assert coder().run("x = 41 + 1").error == "the program printed nothing; print the result"
+    assert coder().run("```python\n```").error == "no code in command"
+
+
+def test_infinite_loop_is_killed_at_the_timeout():
+    start = time.monotonic()
+    r = coder(python_timeout_s=1.5).run("while True:\n    pass")
+    elapsed = time.monotonic() - start
+    assert r.error.startswith("timeout after 1.5s") and r.output == ""
+    assert 1.5 <= elapsed < 1.5 + 2.0
+
+
+def test_memory_bomb_fails_and_we_are_fine():
+    r = coder().run("x = bytearray(4 * 1024**3)\nprint(len(x))")
+    assert r.error == "line 1: MemoryError"
+    assert coder().run("print('still fine')").output == "still fine"
+
+
+@pytest.mark.parametrize("bomb", [
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "import subprocess, sys\nwhile True:\n    try:\n        subprocess.Popen([sys.executable, '-c', "
+    "'import time; time.sleep(60)', 'MARKER'])\n    except OSError:\n        pass\n",
+])
+def test_fork_bomb_is_contained_and_nothing_survives(bomb, used_uids):
+    marker = f"af{uuid.uuid4().hex[:13]}"  # 15 chars: fits a process name, which forks inherit
+    name_it = f"import ctypes\nctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)\n"  # PR_SET_NAME
+    before = survivors(marker, POOL)
+    start = time.monotonic()
+    r = coder(python_timeout_s=2).run(name_it + bomb.replace("MARKER", marker))
+    assert r.error.startswith("timeout") and time.monotonic() - start < 2 + 3.0
+    assert survivors(marker, used_uids) - before == set()
+    assert coder().run("print(6 * 7)").output == "42"  # the pool uid is usable again
+
+
+@root_only
+def test_a_child_that_leaves_the_process_group_is_killed_too(used_uids):
+    marker = f"escapee-{uuid.uuid4().hex}"
+    code = (f"import os, sys\nif os.fork() == 0:\n    os.setsid()\n"
+            f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
+            f"import time\ntime.sleep(0.3)\nprint('parent done')\n")
+    before = survivors(marker, POOL)
+    r = coder().run(code)
+    assert r.output == "parent done"
+    assert survivors(marker, used_uids) - before == set()
+
+
+def test_environment_holds_none_of_our_variables(monkeypatch):
+    monkeypatch.setenv("AGENTFLOW_TEST_SECRET", "s3cr3t")
+    r = coder(max_output_chars=100_000).run("import os\nprint(dict(os.environ))")
+    assert r.ok and "HOME" in r.output and "s3cr3t" not in r.output and "AGENTFLOW" not in r.output
+
+
+@root_only
+def test_secret_in_our_process_environment_is_unreadable(monkeypatch):
+    monkeypatch.setenv("AGENTFLOW_TEST_SECRET", "s3cr3t")
+    # putenv alone would not show in /proc/<pid>/environ (it holds the environment at exec), so look
+    # at a child started with the secret too: a process of ours that the sandbox could find.
+    import subprocess
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        code = ("import os\nprint(dict(os.environ))\n"
+                f"pids = [os.getppid(), {os.getpid()}, {holder.pid}] + [p for p in os.listdir('/proc') if p.isdigit()]\n"
+                "for pid in pids:\n"
+                "    try:\n        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
+                "    except OSError as e:\n        print(pid, 'denied', e.errno)\n")
+        r = coder(max_output_chars=1_000_000).run(code)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.ok and f"{holder.pid} denied" in r.output
+    assert "s3cr3t" not in r.output
+
+
+@root_only
+def test_writing_outside_its_directory_leaves_nothing(tmp_path):
+    outside_tmp = f"/tmp/agentflow-test-{uuid.uuid4().hex}"
+    code = (f"for path in [{str(tmp_path / 'pwned')!r}, {outside_tmp!r}, 'mine.txt']:\n"
+            "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+            "    except OSError as e:\n        print('refused', path, e.errno)\n")
+    r = coder().run(code)
+    assert f"refused {tmp_path / 'pwned'}" in r.output  # file permissions stop it
+    assert f"wrote {outside_tmp}" in r.output           # /tmp is world-writable: allowed during the run...
+    assert "wrote mine.txt" in r.output
+    assert not (tmp_path / "pwned").exists()
+    assert not os.path.exists(outside_tmp)              # ...but swept away afterwards
+
+
+def test_working_directory_is_fresh_and_removed():
+    r = coder().run("import os\nopen('a.txt', 'w').write('hi')\nprint(os.getcwd(), os.listdir('.'))")
+    workdir = r.output.split()[0]
+    assert "a.txt" in r.output and workdir.startswith(("/tmp", os.environ.get("TMPDIR", "/tmp")))
+    assert not os.path.exists(workdir)
+
+
+def test_file_size_is_limited():
+    r = coder(python_max_file_mb=1).run("open('big', 'wb').write(b'x' * (2 << 20))\nprint('wrote')")
+    assert "File too large" in r.error
+
+
+def test_huge_output_is_capped_keeping_both_ends():
+    r = coder(max_output_chars=300).run("print('START' + 'a' * 5_000_000 + 'THE_END')")
+    assert r.ok and len(r.output) <= 300
+    assert r.output.startswith("START") and r.output.endswith("THE_END") and "...[cut " in r.output
+
+
+def test_output_is_capped_while_reading():
+    buf = tools._HeadTail(keep=100)
+    for _ in range(1000):
+        buf.add(b"0123456789" * 100)
+    assert buf.total == 1_000_000 and len(buf.head) == len(buf.tail) == 100
+    text = buf.text(150)
+    assert len(text) <= 150 and text.startswith("0123") and text.endswith("789")
+    assert "...[cut 999" in text  # the count covers what was dropped while reading
+
+
+def test_endless_printing_times_out():
+    start = time.monotonic()
+    r = coder(python_timeout_s=1).run("while True:\n    print('y' * 1000)")
+    assert r.error.startswith("timeout") and time.monotonic() - start < 1 + 2.0
+
+
+def test_run_tool_calls_is_concurrent_and_keeps_order():
+    calls = [(coder(), f"import time\ntime.sleep(1)\nprint({i})") for i in range(4)]
+
+    class Broken(tools.Tool):
+        name = "Broken"
+
+        def run(self, command):
+            raise RuntimeError("boom")
+
+    calls.append((Broken(), "x"))
+    start = time.monotonic()
+    results = run_tool_calls(calls)
+    assert time.monotonic() - start < 3.0  # one after another would take 4 s
+    assert [r.output for r in results[:4]] == ["0", "1", "2", "3"]
+    assert not results[4].ok and "boom" in results[4].error
+    assert run_tool_calls([]) == []
+
+
+# ----------------------------------------------------------------------------- extract_code, cap_text
+
+@pytest.mark.parametrize("reply, code", [
+    ("```python\nprint(1)\n```", "print(1)\n"),
+    ("Sure!\n```py\nx = 2\nprint(x)\n```\nDone.", "x = 2\nprint(x)\n"),
+    ("```\nprint(3)\n```", "print(3)\n"),
+    ("Output:\n```text\n42\n```\nCode:\n```Python\nprint(42)\n```", "print(42)\n"),  # the python block wins
+    ("```python\nprint(4)\n", "print(4)\n"),  # unclosed fence, e.g. cut by max tokens
+    ("print(5)", "print(5)\n"),
+    ("`print(6)`", "print(6)\n"),
+    ("1. Run this:\n    ```python\n    for i in range(2):\n        print(i)\n    ```", "for i in range(2):\n    print(i)\n"),
+    ("", "\n"),
+])
+def test_extract_code(reply, code):
+    assert extract_code(reply) == code
+
+
+def test_cap_text():
+    assert cap_text("short", 10) == "short"
+    capped = cap_text("x" * 1000, 100)
+    assert len(capped) <= 100 and capped.endswith("...[cut 921 chars]") and capped.startswith("x" * 50)
+    both = cap_text("A" * 500 + "B" * 500, 100, keep_tail=True)
+    assert len(both) <= 100 and both.startswith("A") and both.endswith("B") and "...[cut " in both
+
+
+# ----------------------------------------------------------------------------- BM25 and Local_Search
+
+def test_bm25_matches_the_formula_by_hand():
+    docs = ["the cat sat", "the dog sat down", "cat cat cat"]
+    k1, b, n, avgdl = 1.5, 0.75, 3, (3 + 4 + 3) / 3
+    idf = {w: math.log(1 + (n - df + 0.5) / (df + 0.5)) for w, df in [("cat", 2), ("sat", 2), ("dog", 1)]}
+
+    def term(word, tf, length):
+        return idf[word] * tf * (k1 + 1) / (tf + k1 * (1 - b + b * length / avgdl))
+
+    scores = BM25(docs).scores("cat sat cat")  # a repeated query word counts once
+    assert scores[0] == pytest.approx(term("cat", 1, 3) + term("sat", 1, 3), rel=1e-12)
+    assert scores[1] == pytest.approx(term("sat", 1, 4), rel=1e-12)
+    assert scores[2] == pytest.approx(term("cat", 3, 3), rel=1e-12)
+    assert BM25(docs).scores("dog")[1] == pytest.approx(term("dog", 1, 4), rel=1e-12)
+
+
+def test_bm25_ranking_and_deterministic_ties():
+    docs = ["apples and pears", "the zebra of Kalmor", "zebra zebra", "apples and pears", "nothing here"]
+    index = BM25(docs)
+    assert [i for i, _ in index.top("Kalmor zebra", 5)] == [1, 2]  # rare word beats repetition; no zero scores
+    assert index.top("pears", 5) == index.top("pears", 5) and [i for i, _ in index.top("pears", 5)] == [0, 3]
+    assert index.top("unknownword", 3) == []
+    # Equal scores, and the later document is met first (through the query's first word): index decides.
+    assert [i for i, _ in BM25(["alpha", "beta"]).top("beta alpha", 2)] == [0, 1]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    rows = [{"id": "1", "title": "Velmora", "text": "Velmora is a river town founded in 1742 by glassmakers."},
+            {"id": "2", "title": "Ostrand", "text": "Ostrand is a mountain village known for its bells."},
+            {"title": "Kess Dunmore", "text": "Kess Dunmore was the first mayor of Velmora."}]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_local_search(corpus):
+    tool = tools.LocalSearch({"corpus": str(corpus), "search_top_k": 2})
+    r = tool.run("When was Velmora founded?")
+    assert r.ok and r.output.splitlines()[0] == "Velmora: Velmora is a river town founded in 1742 by glassmakers."
+    assert len(r.output.splitlines()) == 2 and r.output == tool.run("When was Velmora founded?").output
+    assert tool.run("   ").error == "empty query"
+    assert "no passage matches" in tool.run("quantum chromodynamics").error
+
+
+def test_local_search_missing_corpus(tmp_path):
+    r = tools.LocalSearch({"corpus": str(tmp_path / "nope.jsonl")}).run("anything")
+    assert not r.ok and str(tmp_path / "nope.jsonl") in r.error
+
+
+# ----------------------------------------------------------------------------- registry
+
+def test_build_tools_and_cards():
+    assert set(tools.TOOL_CLASSES) == {"Base_Generator", "Python_Coder", "Local_Search",
+                                       "Wikipedia_Search", "Google_Search", "Web_Search"}
+    built = build_tools(["Python_Coder", "Local_Search"], {"python_timeout_s": 3})
+    assert list(built) == ["Python_Coder", "Local_Search"] and built["Python_Coder"].cfg["python_timeout_s"] == 3
+    with pytest.raises(ValueError, match="Python_Coder"):
+        build_tools(["Calculator"])
+    with pytest.raises(ValueError, match="python_timeout"):
+        build_tools(["Python_Coder"], {"pyton_timeout_s": 3})
+    for cls in tools.TOOL_CLASSES.values():  # a 135M model reads every card in every prompt
+        assert 2 <= len(cls.card.splitlines()) <= 4 and len(cls.card) <= 300 and cls.command_hint
+
+
+def test_base_generator():
+    tool = tools.BaseGenerator()
+    assert tool.run("  Paris is the capital of France. ").output == "Paris is the capital of France."
+    assert tool.run("").error == "empty answer"
+    assert len(tools.BaseGenerator({"max_output_chars": 50}).run("word " * 100).output) <= 50
+
+
+# ----------------------------------------------------------------------------- network tools (local server)
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        url = urlparse(self.path)
+        params = {k: v[0] for k, v in parse_qs(url.query).items()}
+        self.server.seen.append((url.path, params, self.headers.get("User-Agent", "")))
+        route = self.server.routes.get(url.path)
+        status, ctype, body, delay = route(params) if route else (404, "text/html", b"<h1>Not Found</h1>", 0)
+        time.sleep(delay)
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # the client hung up (timeout test): expected
+
+
+@pytest.fixture
+def server(monkeypatch):
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    srv = _Server(("127.0.0.1", 0), _Handler)
+    srv.routes, srv.seen = {}, []
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def wiki(server, **cfg):
+    return tools.WikipediaSearch({"wikipedia_url": server.url + "/w/api.php", "search_top_k": 2, **cfg})
+
+
+def test_wikipedia_search_and_extracts(server):
+    def api(p):
+        if p.get("list") == "search":
+            return 200, "application/json", {"batchcomplete": True, "query": {"search": [
+                {"ns": 0, "title": "Eiffel Tower", "snippet": "The <span>Eiffel</span> Tower"},
+                {"ns": 0, "title": "Gustave Eiffel", "snippet": "French engineer"}]}}, 0
+        return 200, "application/json", {"batchcomplete": True, "query": {"pages": [  # not in search order
+            {"pageid": 2, "title": "Gustave Eiffel", "extract": "Gustave Eiffel was a French civil engineer."},
+            {"pageid": 1, "title": "Eiffel Tower", "extract": "The Eiffel Tower is a wrought-iron tower in Paris."}]}}, 0
+    server.routes["/w/api.php"] = api
+    r = wiki(server).run("Eiffel Tower")
+    assert r.output.splitlines() == ["Eiffel Tower: The Eiffel Tower is a wrought-iron tower in Paris.",
+                                     "Gustave Eiffel: Gustave Eiffel was a French civil engineer."]
+    (_, search, agent), (_, extracts, _) = server.seen
+    assert search["srsearch"] == "Eiffel Tower" and search["srlimit"] == "2" and search["list"] == "search"
+    assert extracts["titles"] == "Eiffel Tower|Gustave Eiffel" and extracts["exintro"] == "1"
+    assert extracts["explaintext"] == "1" and agent == tools.USER_AGENT
+
+
+def test_wikipedia_failures(server):
+    server.routes["/w/api.php"] = lambda p: (500, "text/html", b"<h1>oops</h1>", 0)
+    assert wiki(server).run("x").error == "HTTP 500 from " + server.url[len("http://"):]
+    server.routes["/w/api.php"] = lambda p: (200, "text/html", b"<html>maintenance</html>", 0)
+    assert "non-JSON" in wiki(server).run("x").error
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", {"query": {"search": []}}, 0)
+    assert "no Wikipedia article" in wiki(server).run("xyzzy").error
+    error = {"error": {"code": "badvalue", "info": "bad srlimit"}}  # MediaWiki errors come with HTTP 200
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", error, 0)
+    assert wiki(server).run("x").error == "API error: bad srlimit"
+
+
+def google(server, **cfg):
+    return tools.GoogleSearch({"google_url": server.url + "/customsearch/v1", **cfg})
+
+
+def test_google_search(server, monkeypatch):
+    monkeypatch.setenv("GOOGLE_API_KEY", "key-s3cr3t")
+    monkeypatch.setenv("GOOGLE_CSE_ID", "cx-1")
+    server.routes["/customsearch/v1"] = lambda p: (200, "application/json; charset=UTF-8", {"items": [
+        {"title": "Eiffel Tower - Wikipedia", "link": "https://en.wikipedia.org/wiki/Eiffel_Tower",
+         "snippet": "The Eiffel Tower is a\nwrought-iron lattice tower."},
+        {"title": "Tickets", "link": "https://example.org/t", "snippet": "Buy tickets."}]}, 0)
+    r = google(server, search_top_k=2).run("eiffel tower height")
+    assert r.output.splitlines() == [
+        "Eiffel Tower - Wikipedia: The Eiffel Tower is a wrought-iron lattice tower. "
+        "(https://en.wikipedia.org/wiki/Eiffel_Tower)", "Tickets: Buy tickets. (https://example.org/t)"]
+    assert server.seen[0][1] == {"key": "key-s3cr3t", "cx": "cx-1", "q": "eiffel tower height", "num": "2"}
+
+
+def test_google_failures(server, monkeypatch):
+    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
+    monkeypatch.setenv("GOOGLE_CSE_ID", "cx-1")
+    need = "Google_Search needs GOOGLE_API_KEY and GOOGLE_CSE_ID in the environment"
+    assert google(server).run("x").error == need
+    assert server.seen == []
+    monkeypatch.setenv("GOOGLE_API_KEY", "key-s3cr3t")
+    server.routes["/customsearch/v1"] = lambda p: (
+        403, "application/json", {"error": {"code": 403, "message": "Daily Limit Exceeded"}}, 0)
+    assert google(server).run("x").error == f"HTTP 403 from {server.url[7:]}: Daily Limit Exceeded"
+    server.routes["/customsearch/v1"] = lambda p: (200, "application/json", {"items": []}, 1.5)
+    start = time.monotonic()
+    r = google(server, web_timeout_s=0.3).run("x")
+    assert r.error.startswith("timeout after 0.3s") and time.monotonic() - start < 1.2
+    # Connection refused: the message must not quote the URL, which holds the key.
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = tools.GoogleSearch({"google_url": f"http://127.0.0.1:{port}/customsearch/v1"}).run("x")
+    assert not r.ok and "s3cr3t" not in r.error
+
+
+PAGE = ("<html><head><title>Towers</title><style>.zebra { color: red }</style>"
+        "<script>var zebra_js = 'zebra zebra';</script></head><body>"
+        + "".join(f"<p>Filler paragraph {i} about bridges, rivers &amp; roads in general.</p>" for i in range(40))
+        + "<p>The Eiffel Tower was completed in 1889 for the World&#39;s Fair.</p>"
+        + "".join(f"<p>More filler {i} on canals and harbours.</p>" for i in range(40))
+        + "<noscript>zebra noscript</noscript></body></html>")
+
+
+def test_web_search_ranks_the_relevant_chunk_first(server):
+    server.routes["/page"] = lambda p: (200, "text/html; charset=utf-8", PAGE.encode(), 0)
+    tool = tools.WebSearch({"search_top_k": 2})
+    r = tool.run(f"Read {server.url}/page. When was the Eiffel Tower completed?")
+    assert r.ok and "completed in 1889 for the World's Fair" in r.output.splitlines()[0]
+    page_text = tools.html_to_text(PAGE)
+    assert "zebra" not in r.output and "zebra" not in page_text and "rivers & roads" in page_text
+    assert server.seen[0][0] == "/page"
+
+
+def test_web_search_failures(server):
+    tool = tools.WebSearch()
+    assert tool.run(f"{server.url}/missing what?").error.startswith("HTTP 404 from")
+    server.routes["/file.bin"] = lambda p: (200, "application/octet-stream", b"\x00\x01" * 100, 0)
+    assert "unsupported content type 'application/octet-stream'" in tool.run(f"{server.url}/file.bin what?").error
+    server.routes["/empty"] = lambda p: (200, "text/html", b"<html><script>x = 1</script></html>", 0)
+    assert "no text on page" in tool.run(f"{server.url}/empty what?").error
+    assert tool.run("When was the Eiffel Tower completed?").error == "no URL in command"

@@ -1,0 +1,671 @@
+"""
+The toolset K of AgentFlow (paper section 1): the six tools, the short cards the
+planner reads to choose among them, and the sandbox the Python Coder runs code in.
+
+Every tool takes one string (the command the executor LLM wrote) and returns a
+ToolResult: the text that goes into memory, already capped, or a short error. A tool
+never raises, so one bad call costs one turn, not the whole batch of trajectories.
+
+Where this departs from the official code:
+- Its Python tool runs model code twice, in-process, unsandboxed, with a timeout that
+  cannot interrupt it. Here the code runs once, in its own process, under a supervisor
+  that enforces a wall-clock limit and leaves no process behind (below).
+- It pastes tool output into prompts uncapped. Here every output is cut to
+  `max_output_chars` with a visible "...[cut N chars]" marker.
+- Its search tools call paid LLMs. Here Google is the plain Custom Search API,
+  Web_Search ranks page chunks with BM25, and Local_Search (BM25 over a JSONL corpus)
+  is added so the default task runs offline.
+
+The Python sandbox (Linux). Always: a fresh working directory, deleted afterwards; an
+environment with nothing of ours in it (API keys stay out); rlimits on address space,
+CPU seconds, processes, file size and open files, which the program cannot raise;
+PR_SET_NO_NEW_PRIVS; a wall-clock timeout after which everything is SIGKILLed and
+reaped by the supervisor (a child subreaper, so orphans come back to it).
+When we are root (as in CI) the program also runs as an unprivileged uid from a pool
+(61000..61015 by default; nothing else may use them). That is what makes RLIMIT_NPROC
+bite (root is exempt) and what lets cleanup kill every process of that uid, including
+children that left the process group with setsid. It then cannot read any other
+process's /proc/<pid>/environ, and can write only to its own directory and to
+world-writable ones; what it leaves at the top of /tmp, /var/tmp, /dev/shm and
+/run/lock is deleted after the call. If that uid cannot run our interpreter (e.g. it
+lives under /root, mode 700), a system python3 is used instead (stdlib only); if none
+works, the call fails rather than running unconfined.
+As an ordinary user we cannot switch uid: RLIMIT_NPROC then counts all of the user's
+processes, cleanup kills the process group only (a setsid child can survive), and the
+program can read and write whatever the user can, /proc/<our pid>/environ included.
+Never isolated: the network, and reading world-readable files.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from urllib.parse import urlparse
+
+import requests
+
+DEFAULT_TOOL_CFG = {
+    "max_output_chars": 600,      # every tool output is cut to this many characters
+    "search_top_k": 3,            # passages / pages / results returned by the search tools
+    "corpus": "data/corpus.jsonl",  # Local_Search: JSONL rows {"title", "text", optional "id"}
+    "python_timeout_s": 5.0,      # Python_Coder: wall-clock limit of one program
+    "python_memory_mb": 512,      # Python_Coder: address-space limit (RLIMIT_AS)
+    "python_max_procs": 32,       # Python_Coder: processes + threads (RLIMIT_NPROC)
+    "python_max_file_mb": 16,     # Python_Coder: largest file it may write (RLIMIT_FSIZE)
+    "python_sandbox_uid": 61000,  # Python_Coder as root: first uid of the unprivileged pool
+    "web_timeout_s": 10.0,        # network tools: per-request timeout
+    "web_max_bytes": 2_000_000,   # Web_Search: bytes of a page read at most
+    "wikipedia_url": "https://en.wikipedia.org/w/api.php",
+    "google_url": "https://www.googleapis.com/customsearch/v1",
+}
+USER_AGENT = "AgentFlow-from-scratch/0.1 (research agent; python-requests)"
+
+
+@dataclass
+class ToolResult:
+    output: str      # text stored in memory, already capped
+    error: str = ""  # non-empty = the call failed, with a short reason
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class ToolError(Exception):
+    """A failure with a message fit for the memory (raised inside tools, never out of run)."""
+
+
+def cap_text(text: str, limit: int, keep_tail: bool = False, already_cut: int = 0) -> str:
+    """Cut text to at most `limit` chars, marker included. keep_tail keeps both ends
+    (a program's answer is usually printed last); already_cut counts text dropped earlier."""
+    if len(text) <= limit and not already_cut:
+        return text
+    longest_marker = f" ...[cut {len(text) + already_cut} chars] "  # the real one is no longer
+    keep = max(limit - len(longest_marker), 0)
+    cut = len(text) - keep + already_cut
+    marker = f" ...[cut {cut} chars] "
+    if not keep_tail:
+        return text[:keep] + marker.rstrip()
+    tail = keep // 2
+    return text[:keep - tail] + marker + text[len(text) - tail:]
+
+
+class Tool:
+    name = ""
+    card = ""          # read by the planner in every prompt: keep it to a few short lines
+    command_hint = ""  # tells the executor LLM what to write as the command
+
+    def __init__(self, cfg: dict | None = None):
+        self.cfg = {**DEFAULT_TOOL_CFG, **(cfg or {})}
+        self.max_chars = int(self.cfg["max_output_chars"])
+
+    def run(self, command: str) -> ToolResult:
+        try:
+            return ToolResult(output=cap_text(self._run(command or ""), self.max_chars))
+        except ToolError as e:
+            return ToolResult(output="", error=str(e))
+        except Exception as e:  # a bug or an odd input must not take the batch down
+            return ToolResult(output="", error=f"{self.name} failed: {type(e).__name__}: {e}"[:300])
+
+    def _run(self, command: str) -> str:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- Base_Generator
+
+class BaseGenerator(Tool):
+    name = "Base_Generator"
+    card = ("Answers directly from the language model's own knowledge and reasoning.\n"
+            "Input: the question. No tools: may be wrong on exact arithmetic and rare facts.")
+    command_hint = "Write the answer to the sub-goal directly, in a few sentences."
+
+    def _run(self, command):
+        # The executor LLM already answered when it wrote the command; nothing else to do.
+        if not command.strip():
+            raise ToolError("empty answer")
+        return command.strip()
+
+
+# ----------------------------------------------------------------------------- Python_Coder
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(text: str) -> str:
+    """Python code from an LLM reply: the first ```python block, else the first fenced
+    block of any kind (an unclosed fence runs to the end), else the whole text."""
+    blocks = _FENCE.findall(text or "")
+    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+    if python or blocks:
+        code = (python or [blocks[0][1]])[0]
+    else:
+        code = (text or "").strip()
+        if len(code) > 1 and code[0] == code[-1] == "`":  # `print(1)` written inline
+            code = code.strip("`")
+    lines = code.splitlines()
+    # Dedent in case the whole block was indented inside a list item of the reply.
+    indent = min((len(l) - len(l.lstrip()) for l in lines if l.strip()), default=0)
+    return "\n".join(l[indent:] for l in lines).strip() + "\n"
+
+
+# Runs as its own process (argv: interpreter uid timeout mem cpu nproc fsize nofile).
+# A separate supervisor, rather than our own process, can be a child subreaper and
+# call waitpid(-1) without stealing exit statuses from the rest of the application.
+_SUPERVISOR = r"""
+import ctypes, os, resource, signal, sys, time
+interp, uid, timeout, mem, cpu, nproc, fsize, nofile = sys.argv[1:]
+uid, timeout = int(uid), float(timeout)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the program's orphans become our children
+pid = os.fork()
+if pid == 0:
+    try:
+        os.setpgid(0, 0)
+        for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
+                         (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile)):
+            resource.setrlimit(lim, (int(val), int(val)))  # hard = soft: the program cannot raise them
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+        if uid >= 0:
+            os.setgroups([]); os.setgid(uid); os.setuid(uid)
+        os.execv(interp, [interp, "-I", "main.py"])
+    finally:
+        os._exit(127)
+status, deadline = None, time.monotonic() + timeout
+while status is None and time.monotonic() < deadline:
+    done, st = os.waitpid(pid, os.WNOHANG)
+    if done:
+        status = st
+    else:
+        time.sleep(0.01)
+if uid >= 0:  # kill(-1) from a helper with the sandbox uid hits every process of that uid (not the helper)
+    if os.fork() == 0:
+        try:
+            os.setuid(uid); os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+else:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+give_up = time.monotonic() + 2.0  # everything got SIGKILL; reap until no child is left
+while time.monotonic() < give_up:
+    try:
+        if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            time.sleep(0.005)
+    except ChildProcessError:
+        break
+if status is None:
+    sys.exit(124)  # timeout (a program exiting with 124 on its own reads the same; harmless)
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+_UID_POOL_SIZE = 16
+_interpreter: list[str | None] = []  # probed once: the python the pool uids can run
+_interpreter_lock = threading.Lock()
+
+
+def _take_uid(base: int) -> tuple[int, int]:
+    """A free uid of the pool and the fd that holds it. One uid per running program, so
+    its RLIMIT_NPROC budget is its own and the kill(-1) cleanup cannot hit another program.
+    The hold is an flock on a per-uid file: it works across threads and across processes
+    (train and eval on one machine), and the kernel drops it if we die."""
+    lock_dir = "/tmp/agentflow-sandbox-locks"  # a fixed path: every process on the machine must agree
+    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+    if os.stat(lock_dir).st_uid != os.geteuid():  # made by someone else (a sandbox?): don't trust it
+        raise ToolError(f"{lock_dir} is not owned by us")
+    while True:
+        for uid in range(base, base + _UID_POOL_SIZE):
+            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return uid, fd
+            except BlockingIOError:
+                os.close(fd)
+        time.sleep(0.05)  # all busy: wait for one
+
+
+def _interpreter_for(uid: int) -> str | None:
+    """A python the unprivileged uid can run: ours if it can read it (not when it lives
+    under /root, mode 700), else a system one. Probed by running it, the only sure test."""
+    with _interpreter_lock:
+        if not _interpreter:
+            found = None
+            for exe in (sys.executable, "/usr/local/bin/python3", "/usr/bin/python3", "/bin/python3"):
+                try:
+                    probe = subprocess.run([exe, "-I", "-c", "import encodings, json"], user=uid, group=uid,
+                                           extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                           stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                if probe.returncode == 0:
+                    found = exe
+                    break
+            _interpreter.append(found)
+        return _interpreter[0]
+
+
+def _sweep_world_writable(uid: int) -> None:
+    """Delete what the sandbox uid left at the top of the world-writable directories
+    (safe because the uid belongs to this one finished program)."""
+    for top in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+        for entry in (os.scandir(top) if os.path.isdir(top) else ()):
+            try:
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+class _HeadTail:
+    """Keeps the first and last `keep` bytes of a stream and counts the rest, so a
+    program printing forever costs bounded memory here."""
+
+    def __init__(self, keep: int):
+        self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.keep - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        self.tail += data
+        del self.tail[:-self.keep or None]
+
+    def text(self, limit: int) -> str:
+        dropped = self.total - len(self.head) - len(self.tail)
+        text = (self.head + self.tail).decode("utf-8", "replace") if not dropped else \
+            self.head.decode("utf-8", "replace") + self.tail.decode("utf-8", "replace")
+        return cap_text(text, limit, keep_tail=True, already_cut=dropped)
+
+
+def _read_until(proc: subprocess.Popen, deadline: float, out: _HeadTail, err: _HeadTail) -> None:
+    """Drain stdout and stderr until both close or the deadline passes."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    while sel.get_map() and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=max(deadline - time.monotonic(), 0)):
+            data = os.read(key.fd, 65536)
+            if data:
+                key.data.add(data)
+            else:
+                sel.unregister(key.fileobj)
+    sel.close()
+
+
+class PythonCoder(Tool):
+    name = "Python_Coder"
+    card = ("Runs a Python program and returns what it prints. Best for exact arithmetic,\n"
+            "counting and step-by-step calculation. Input: the calculation to do.\n"
+            "Limits: standard library only, no internet, a few seconds of run time.")
+    command_hint = "Write a complete Python program that prints the result."
+
+    def _run(self, command):
+        code = extract_code(command)
+        if not code.strip():
+            raise ToolError("no code in command")
+        timeout = float(self.cfg["python_timeout_s"])
+        uid, uid_fd = _take_uid(int(self.cfg["python_sandbox_uid"])) if os.geteuid() == 0 else (None, -1)
+        workdir = tempfile.mkdtemp(prefix="agentflow-py-")
+        try:
+            interp = sys.executable if uid is None else _interpreter_for(uid)
+            if interp is None:
+                raise ToolError(f"no Python interpreter runs as the unprivileged sandbox uid {uid}")
+            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
+            if uid is not None:
+                os.chown(workdir, uid, uid)  # its own directory is the one place it may write
+            limits = [int(self.cfg["python_memory_mb"]) << 20, math.ceil(timeout) + 1,
+                      int(self.cfg["python_max_procs"]), int(self.cfg["python_max_file_mb"]) << 20, 64]
+            argv = [sys.executable, "-I", "-c", _SUPERVISOR, interp, str(-1 if uid is None else uid),
+                    str(timeout)] + [str(v) for v in limits]
+            # A fresh environment: nothing of ours (API keys) reaches the program.
+            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+            out, err = _HeadTail(4 * self.max_chars), _HeadTail(4096)
+            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                # The supervisor stops itself at `timeout`; the slack covers start-up and cleanup.
+                _read_until(proc, time.monotonic() + timeout + 5.0, out, err)
+                rc = proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise ToolError(f"sandbox did not stop after {timeout:g}s")
+            finally:
+                proc.stdout.close()
+                proc.stderr.close()
+        finally:
+            if uid is not None:
+                _sweep_world_writable(uid)
+                os.close(uid_fd)  # releases the uid
+            shutil.rmtree(workdir, ignore_errors=True)
+
+        if rc == 124:
+            raise ToolError(f"timeout after {timeout:g}s (the program was killed)")
+        if rc > 128 and rc - 128 in signal.valid_signals():
+            raise ToolError(f"the program was killed by {signal.Signals(rc - 128).name}")
+        if rc != 0:  # the traceback's last line, and where in the program it happened
+            stderr = err.text(4096)
+            lines = [l for l in stderr.splitlines() if l.strip()]
+            where = re.findall(r'main\.py", line (\d+)', stderr)
+            reason = lines[-1].strip()[:300] if lines else f"exit code {rc}"
+            raise ToolError(f"line {where[-1]}: {reason}" if where else reason)
+        text = out.text(self.max_chars).rstrip()
+        if not text.strip():
+            raise ToolError("the program printed nothing; print the result")
+        return text
+
+
+# ----------------------------------------------------------------------------- BM25, Local_Search
+
+def tokenize(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+class BM25:
+    """Okapi BM25 over a fixed list of documents:
+        score(q, d) = sum_{t in q} idf(t) * tf(t,d) * (k1 + 1) / (tf(t,d) + k1 * (1 - b + b * |d| / avgdl))
+        idf(t) = ln(1 + (N - n_t + 0.5) / (n_t + 0.5))   (Lucene's form: never negative)
+    Repeated query words count once."""
+
+    def __init__(self, docs: list[str], k1: float = 1.5, b: float = 0.75):
+        self.k1, self.b = k1, b
+        self.lengths = []
+        self.postings: dict[str, list[tuple[int, int]]] = {}  # word -> [(doc index, tf)]
+        for i, doc in enumerate(docs):
+            words = tokenize(doc)
+            self.lengths.append(len(words))
+            for word, tf in Counter(words).items():
+                self.postings.setdefault(word, []).append((i, tf))
+        n = len(docs)
+        self.avgdl = sum(self.lengths) / n if n else 0.0
+        self.idf = {w: math.log(1 + (n - len(p) + 0.5) / (len(p) + 0.5)) for w, p in self.postings.items()}
+
+    def scores(self, query: str) -> dict[int, float]:
+        """Score of every document sharing a word with the query (the others score 0)."""
+        scores: dict[int, float] = {}
+        for word in dict.fromkeys(tokenize(query)):  # unique, in query order: the same float sums every run
+            for i, tf in self.postings.get(word, ()):
+                norm = self.k1 * (1 - self.b + self.b * self.lengths[i] / self.avgdl)
+                scores[i] = scores.get(i, 0.0) + self.idf[word] * tf * (self.k1 + 1) / (tf + norm)
+        return scores
+
+    def top(self, query: str, k: int) -> list[tuple[int, float]]:
+        """The k best (index, score) pairs with score > 0; ties go to the earlier document."""
+        return sorted(self.scores(query).items(), key=lambda p: (-p[1], p[0]))[:k]
+
+
+class LocalSearch(Tool):
+    name = "Local_Search"
+    card = ("Searches a local document collection (offline) for facts about the people,\n"
+            "places and things it covers. Input: a short keyword query.\n"
+            "Returns the best-matching passages; knows nothing outside the collection.")
+    command_hint = "Write a short keyword query."
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self._rows: list[dict] | None = None
+        self._index: BM25 | None = None
+        self._lock = threading.Lock()  # concurrent first calls load the corpus once
+
+    def _load(self) -> None:
+        path = self.cfg["corpus"]
+        if not os.path.exists(path):
+            raise ToolError(f"corpus file not found: {path}")
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if "title" not in row or "text" not in row:
+                        raise ToolError(f"{path}:{line_no}: a row needs 'title' and 'text'")
+                    rows.append(row)
+        self._index = BM25([f"{r['title']} {r['text']}" for r in rows])
+        self._rows = rows
+
+    def _run(self, command):
+        if not tokenize(command):
+            raise ToolError("empty query")
+        with self._lock:
+            if self._index is None:
+                self._load()
+        k = int(self.cfg["search_top_k"])
+        hits = self._index.top(command, k)
+        if not hits:
+            raise ToolError(f"no passage matches {command.strip()[:80]!r}")
+        per_hit = max(self.max_chars // len(hits) - 1, 40)  # every hit gets its share of the budget
+        return "\n".join(cap_text(f"{self._rows[i]['title']}: {self._rows[i]['text']}", per_hit)
+                         for i, _ in hits)
+
+
+# ----------------------------------------------------------------------------- network tools
+
+def _get(url: str, params: dict | None, timeout: float, **kw) -> requests.Response:
+    """GET with our User-Agent; failures become ToolError. The messages never quote the
+    request URL: it can hold an API key, and errors end up in prompts and logs."""
+    host = urlparse(url).netloc or url[:60]
+    try:
+        resp = requests.get(url, params=params, timeout=timeout, headers={"User-Agent": USER_AGENT}, **kw)
+    except requests.Timeout:
+        raise ToolError(f"timeout after {timeout:g}s from {host}") from None
+    except requests.RequestException as e:
+        raise ToolError(f"request to {host} failed ({type(e).__name__})") from None
+    if resp.status_code >= 400:
+        try:  # APIs explain themselves in a JSON error body
+            message = _api_error(resp.json())
+        except ValueError:
+            message = ""
+        resp.close()
+        raise ToolError(f"HTTP {resp.status_code} from {host}" + (f": {message}" if message else ""))
+    return resp
+
+
+def _api_error(data) -> str:
+    """The message of an API error body: Google {"error": {"message"}}, MediaWiki {"error": {"info"}}."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message") or error.get("info") or error.get("code") or "unknown error"
+    return str(error)[:200] if error else ""
+
+
+def _get_json(url: str, params: dict, timeout: float) -> dict:
+    resp = _get(url, params, timeout)
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise ToolError(f"non-JSON reply from {urlparse(url).netloc}")
+    if _api_error(data):  # MediaWiki answers errors with HTTP 200
+        raise ToolError(f"API error: {_api_error(data)}")
+    return data
+
+
+class WikipediaSearch(Tool):
+    name = "Wikipedia_Search"
+    card = ("Searches Wikipedia and returns the opening paragraphs of the best-matching\n"
+            "articles. Good for well-known people, places, events and terms.\n"
+            "Input: a short query, ideally an article title.")
+    command_hint = "Write a short search query, ideally the title of a Wikipedia article."
+
+    def _run(self, command):
+        query = command.strip()
+        if not query:
+            raise ToolError("empty query")
+        url, timeout = self.cfg["wikipedia_url"], float(self.cfg["web_timeout_s"])
+        found = _get_json(url, {"action": "query", "list": "search", "srsearch": query, "format": "json",
+                                "srlimit": int(self.cfg["search_top_k"]), "formatversion": 2}, timeout)
+        hits = found.get("query", {}).get("search", [])
+        if not hits:
+            raise ToolError(f"no Wikipedia article matches {query[:80]!r}")
+        titles = [h["title"] for h in hits]
+        pages = _get_json(url, {"action": "query", "prop": "extracts", "explaintext": 1, "exintro": 1,
+                                "titles": "|".join(titles), "format": "json", "formatversion": 2,
+                                "redirects": 1}, timeout).get("query", {}).get("pages", [])
+        extracts = {p.get("title"): (p.get("extract") or "").strip() for p in pages}
+        per_hit = max(self.max_chars // len(hits) - 1, 40)
+        lines = []
+        for h in hits:  # in search order; the search snippet stands in for a missing extract
+            text = extracts.get(h["title"]) or re.sub("<[^>]+>", "", h.get("snippet", ""))
+            lines.append(cap_text(f"{h['title']}: {text}", per_hit))
+        return "\n".join(lines)
+
+
+class GoogleSearch(Tool):
+    name = "Google_Search"
+    card = ("Searches the web with Google; returns titles, short snippets and links.\n"
+            "Good for specific or recent facts. Input: a short search query.")
+    command_hint = "Write a short web search query."
+
+    def _run(self, command):
+        query = command.strip()
+        if not query:
+            raise ToolError("empty query")
+        key, cx = os.environ.get("GOOGLE_API_KEY"), os.environ.get("GOOGLE_CSE_ID")  # read now, not at import
+        if not key or not cx:
+            raise ToolError("Google_Search needs GOOGLE_API_KEY and GOOGLE_CSE_ID in the environment")
+        k = min(int(self.cfg["search_top_k"]), 10)  # the API returns at most 10
+        data = _get_json(self.cfg["google_url"], {"key": key, "cx": cx, "q": query, "num": k},
+                         float(self.cfg["web_timeout_s"]))
+        items = data.get("items") or []
+        if not items:
+            raise ToolError(f"no Google results for {query[:80]!r}")
+        per_hit = self.max_chars // len(items[:k]) - 1
+        lines = []
+        for it in items[:k]:  # cut the snippet, not the link: the link is what Web_Search needs next
+            title, link, snippet = it.get("title", ""), it.get("link", ""), " ".join(it.get("snippet", "").split())
+            lines.append(f"{title}: {cap_text(snippet, max(per_hit - len(title) - len(link) - 5, 20))} ({link})")
+        return "\n".join(lines)
+
+
+class _TextExtractor(HTMLParser):
+    """Visible text of an HTML page: skips script/style/noscript/template/svg; entities
+    are decoded by convert_charrefs. Every tag becomes a space, so blocks never glue."""
+    SKIP = {"script", "style", "noscript", "template", "svg"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.skipping = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.skipping += tag in self.SKIP
+        self.parts.append(" ")
+
+    def handle_endtag(self, tag):
+        self.skipping = max(self.skipping - (tag in self.SKIP), 0)
+        self.parts.append(" ")
+
+    def handle_data(self, data):
+        if not self.skipping:
+            self.parts.append(data)
+
+
+def html_to_text(html: str) -> str:
+    parser = _TextExtractor()
+    parser.feed(html)
+    parser.close()
+    return " ".join("".join(parser.parts).split())
+
+
+_URL = re.compile(r"https?://[^\s<>\"'`]+")
+
+
+class WebSearch(Tool):
+    name = "Web_Search"
+    card = ("Reads one web page and returns the passages most relevant to a question.\n"
+            "Input: a URL and a question. Use it on a link another search returned.")
+    command_hint = "Write the URL, then the question, e.g. https://example.org/page When was it built?"
+    CHUNK_WORDS, CHUNK_STRIDE = 80, 60  # 80-word chunks overlapping by 20, so a fact is rarely split
+
+    def _run(self, command):
+        match = _URL.search(command)
+        if not match:
+            raise ToolError("no URL in command")
+        url = match.group(0).rstrip(".,;:!?)]}")
+        question = (command[:match.start()] + " " + command[match.start() + len(url):]).strip()
+        timeout, max_bytes = float(self.cfg["web_timeout_s"]), int(self.cfg["web_max_bytes"])
+        resp = _get(url, None, timeout, stream=True)
+        with resp:
+            ctype = resp.headers.get("Content-Type", "").lower()
+            if not (ctype.startswith("text/") or "html" in ctype or "xml" in ctype):
+                raise ToolError(f"unsupported content type {ctype.split(';')[0] or 'unknown'!r} at {url[:100]}")
+            body, stop_at = b"", time.monotonic() + timeout  # a page that drips forever still ends
+            for piece in resp.iter_content(65536):
+                body += piece
+                if len(body) >= max_bytes or time.monotonic() > stop_at:
+                    break
+        charset = re.search(r"charset=[\"']?([\w.-]+)", ctype)
+        try:
+            text = body[:max_bytes].decode(charset.group(1) if charset else "utf-8", "replace")
+        except LookupError:  # an unknown charset name
+            text = body[:max_bytes].decode("utf-8", "replace")
+        if "html" in ctype or "xml" in ctype:
+            text = html_to_text(text)
+        words = text.split()
+        if not words:
+            raise ToolError(f"no text on page {url[:100]}")
+        # A chunk starts every STRIDE words until one reaches the end of the page.
+        stop = max(len(words) - (self.CHUNK_WORDS - self.CHUNK_STRIDE), 1)
+        chunks = [" ".join(words[i:i + self.CHUNK_WORDS]) for i in range(0, stop, self.CHUNK_STRIDE)]
+        k = int(self.cfg["search_top_k"])
+        best = [i for i, _ in BM25(chunks).top(question, k)] or list(range(min(k, len(chunks))))
+        per_hit = max(self.max_chars // len(best) - 1, 40)
+        return "\n".join(cap_text(chunks[i], per_hit) for i in best)
+
+
+# ----------------------------------------------------------------------------- registry and batch calls
+
+TOOL_CLASSES: dict[str, type[Tool]] = {
+    cls.name: cls for cls in (BaseGenerator, PythonCoder, LocalSearch, WikipediaSearch, GoogleSearch, WebSearch)}
+
+
+def build_tools(names: list[str], cfg: dict | None = None) -> dict[str, Tool]:
+    """Tools by name, in the given order, sharing one settings dict (defaults filled in)."""
+    unknown = [n for n in names if n not in TOOL_CLASSES]
+    if unknown:
+        raise ValueError(f"unknown tool(s) {unknown}; allowed: {sorted(TOOL_CLASSES)}")
+    bad_keys = sorted(set(cfg or {}) - set(DEFAULT_TOOL_CFG))
+    if bad_keys:
+        raise ValueError(f"unknown tool setting(s) {bad_keys}; allowed: {sorted(DEFAULT_TOOL_CFG)}")
+    return {name: TOOL_CLASSES[name](cfg) for name in names}
+
+
+def run_tool_calls(calls: list[tuple[Tool, str]], max_workers: int = 8) -> list[ToolResult]:
+    """Run (tool, command) pairs concurrently; results in input order. Threads are
+    enough: the slow parts (sandbox subprocesses, HTTP) release the GIL."""
+    if not calls:
+        return []
+
+    def one(call: tuple[Tool, str]) -> ToolResult:
+        tool, command = call
+        try:
+            return tool.run(command)
+        except Exception as e:  # run() should never raise, but a foreign Tool might
+            name = getattr(tool, "name", type(tool).__name__)
+            return ToolResult(output="", error=f"{name} raised {type(e).__name__}: {e}"[:300])
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(calls)))) as pool:
+        return list(pool.map(one, calls))
