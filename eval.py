@@ -1,0 +1,169 @@
+"""Evaluation: run the agent on a benchmark file, score every item, summarise.
+
+    python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
+                   [--limit N] [--max-turns T] [--out DIR] [--model PATH]
+
+Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
+analyses of tool usage and tool-call errors. Differences from the official code: an
+item that crashes counts as wrong, with the reason recorded (the official code drops
+crashed problems from the denominator), and scoring is rule-based first (judge.py).
+
+Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
+tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
+id is already in results.jsonl are skipped, so an interrupted evaluation loses nothing.
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench_data import Item, load_benchmark
+from judge import score
+
+
+def score_item(item: Item, answer: str) -> dict:
+    """R(o, q, y*) for one item: the judge's verdict on the generator's answer."""
+    gold = item.numbers if item.kind == "game24" and item.numbers else item.gold
+    return score(answer, gold, item.kind, item.options)
+
+
+def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
+             seed: int = 0, desc: str = "eval") -> dict:
+    """Run `agent` (an agentflow.AgentSystem) on `items` in lockstep batches; write and
+    return the summary. Every batch is appended to results.jsonl as soon as it is done."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = {r["id"] for r in read_jsonl(results_path)}
+    todo = [(k, it) for k, it in enumerate(items) if it.id not in done]
+    with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item") as bar:
+        for start in range(0, len(todo), batch_size):
+            # Seeded by the item's place in the file, so a resumed run samples what the
+            # uninterrupted one would have.
+            batch = [it for _, it in todo[start:start + batch_size]]
+            rows = _run_batch(agent, batch, max_turns, seed + todo[start][0])
+            with open(results_path, "a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+            bar.update(len(batch))
+    rows = [r for r in read_jsonl(results_path) if r["id"] in {it.id for it in items}]
+    summary = summarize(rows)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _run_batch(agent, batch: list[Item], max_turns: int, seed: int) -> list[dict]:
+    try:
+        trajs = agent.rollout([it.question for it in batch], seed=seed, max_turns=max_turns)
+    except Exception as e:  # a crash costs the batch, not the run; each item says why
+        return [_row(it, None, {"correct": False, "f1": 0.0, "extracted": ""},
+                     f"crashed: {type(e).__name__}: {e}") for it in batch]
+    rows = []
+    for it, tr in zip(batch, trajs):
+        try:
+            verdict, crash = score_item(it, tr.answer), ""
+        except Exception as e:
+            verdict, crash = {"correct": False, "f1": 0.0, "extracted": ""}, f"judge crashed: {e}"
+        rows.append(_row(it, tr, verdict, crash))
+    return rows
+
+
+def _row(item: Item, traj, verdict: dict, crash: str) -> dict:
+    records = traj.memory.records if traj else []
+    return {"id": item.id, "question": item.question, "gold": item.gold, "kind": item.kind,
+            "task": item.meta.get("task", ""), "answer": traj.answer if traj else "",
+            "extracted": verdict["extracted"], "correct": bool(verdict["correct"]), "f1": verdict["f1"],
+            "turns": len(records), "tools": [r.tool for r in records if r.tool],
+            "tool_calls": sum(1 for r in records if r.tool),
+            "tool_errors": sum(1 for r in records if r.tool and r.error),
+            "errors": [r.error for r in records if r.error] + ([crash] if crash else []),
+            "trajectory": traj.to_dict() if traj else None}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """accuracy, n, mean turns, tool-usage shares, tool-call error rate; overall and per task kind."""
+    def block(rs):
+        n = len(rs)
+        calls = Counter(t for r in rs for t in r["tools"])
+        n_calls = sum(calls.values())
+        return {"accuracy": sum(r["correct"] for r in rs) / n if n else 0.0, "n": n,
+                "mean_f1": sum(r["f1"] for r in rs) / n if n else 0.0,
+                "mean_turns": sum(r["turns"] for r in rs) / n if n else 0.0,
+                "tool_shares": {t: c / n_calls for t, c in sorted(calls.items())},
+                "tool_error_rate": sum(r["tool_errors"] for r in rs) / n_calls if n_calls else 0.0,
+                "crashed": sum(1 for r in rs if any(e.startswith(("crashed", "judge crashed")) for e in r["errors"]))}
+    summary = block(rows)
+    tasks = sorted({r.get("task") or "" for r in rows} - {""})
+    if tasks:
+        summary["by_kind"] = {t: block([r for r in rows if r.get("task") == t]) for t in tasks}
+    return summary
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by an interruption: that item runs again
+                pass
+    return rows
+
+
+def build_agent(cfg: dict, model_path: str | None = None):
+    """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
+    or the configured model; executor, verifier and generator always the configured one."""
+    import torch
+
+    from agentflow import LLM, AgentSystem, agent_config, load_model
+    from tools import build_tools
+
+    m = cfg["model"]
+    if m["threads"]:
+        torch.set_num_threads(m["threads"])
+    frozen_model, tok = load_model(m["name"], m["device"], m["dtype"])
+    planner_model = frozen_model if model_path is None else load_model(model_path, m["device"], m["dtype"])[0]
+    tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
+    return AgentSystem(LLM(planner_model, tok), LLM(frozen_model, tok), tools, agent_config(cfg["agent"]))
+
+
+def main(argv=None) -> int:
+    from config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(description="Run the AgentFlow agent on a benchmark file and score it.")
+    ap.add_argument("--benchmark", required=True, help="a JSON benchmark file or a JSONL task file")
+    ap.add_argument("--config", default="config.yaml")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N items (0 = all)")
+    ap.add_argument("--max-turns", type=int, default=0, help="turn budget (0 = eval.max_turns of the config)")
+    ap.add_argument("--batch-size", type=int, default=0, help="trajectories in lockstep (0 = config)")
+    ap.add_argument("--model", default=None, help="a trained planner checkpoint (default: the config's model)")
+    ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        items = load_benchmark(args.benchmark, limit=args.limit or None)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
+    agent = build_agent(cfg, args.model)
+    t0 = time.time()
+    summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],
+                       max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"])
+    print(json.dumps(summary, indent=2))
+    print(f"accuracy {summary['accuracy']:.3f} on {summary['n']} items in {time.time() - t0:.0f}s; "
+          f"results in {out}/results.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

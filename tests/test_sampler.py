@@ -1,0 +1,153 @@
+"""The hand-written sampler against a naive reference: recompute the whole sequence for
+every new token, no cache, no padding, no batching, no shared prefix."""
+
+import pytest
+import torch
+
+from agentflow import LLM, SamplingParams, load_model, restrict
+
+SYSTEM = "You pick tools. Available: Python_Coder, Local_Search, Base_Generator. Reply with a tool name."
+QUESTIONS = ["What is 2+2?", "When was the town of Velmora founded, and by whom?", "Compute 48213 * 9127.",
+             "Hi"]
+
+
+def naive_greedy(model, prompt: list[int], n: int, first_tokens=()) -> tuple[list[int], list[float]]:
+    ids, lps = list(prompt), []
+    for step in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()  # [V]
+        if step == 0 and first_tokens:
+            logits = restrict(logits, first_tokens)
+        lp = torch.log_softmax(logits, -1)
+        tok = int(logits.argmax())
+        ids.append(tok)
+        lps.append(lp[tok].item())
+    return ids[len(prompt):], lps
+
+
+def prompts_for(llm: LLM) -> list[list[int]]:
+    return [llm.chat_ids(SYSTEM, q, "Tool:") for q in QUESTIONS]
+
+
+def check_against_naive(llm: LLM, prompts, n=12, first_tokens=()):
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, first_tokens=first_tokens)
+    batched = llm.sample(prompts, params)
+    for p, s in zip(prompts, batched):
+        ref_ids, ref_lp = naive_greedy(llm.model, p, len(s.ids), first_tokens)
+        assert s.ids == ref_ids
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref_lp)) < 1e-4
+        assert s.finish in ("eos", "length")
+        if s.finish == "length":
+            assert len(s.ids) == n
+    return batched
+
+
+def test_cached_batched_greedy_equals_full_recomputation_tiny(tiny_llm):
+    prompts = prompts_for(tiny_llm)
+    assert len({len(p) for p in prompts}) > 1  # different lengths: padding is exercised
+    check_against_naive(tiny_llm, prompts)
+
+
+def test_cached_greedy_equals_full_recomputation_default_model(default_model_path):
+    model, tok = load_model(default_model_path)
+    llm = LLM(model, tok)
+    out = check_against_naive(llm, prompts_for(llm)[:3], n=10)
+    assert all(s.text for s in out)
+
+
+def test_shared_prefix_is_exact(tiny_llm):
+    """The common prefix (system prompt + tool list) is run once and copied; results
+    must equal prompts run one at a time (no sharing, no padding)."""
+    prompts = prompts_for(tiny_llm) + prompts_for(tiny_llm)[:2]  # duplicates, like G rollouts
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    together = tiny_llm.sample(prompts, params)
+    for p, s in zip(prompts, together):
+        alone = tiny_llm.sample([p], params)[0]
+        assert alone.ids == s.ids
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, s.logprobs)) < 1e-4
+
+
+def test_first_token_restriction(tiny_llm):
+    allowed = tuple(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
+                    for n in ("Python_Coder", "Local_Search", "Base_Generator"))
+    check_against_naive(tiny_llm, prompts_for(tiny_llm), n=4, first_tokens=allowed)
+    samples = tiny_llm.sample(prompts_for(tiny_llm) * 8, SamplingParams(20.0, max_new_tokens=2,
+                                                                       first_tokens=allowed), seed=5)
+    assert all(s.ids[0] in allowed for s in samples)
+    assert len({s.ids[0] for s in samples}) > 1  # a real draw, not always the same token
+
+
+def test_same_seed_same_tokens_and_sampled_logprobs_match(tiny_llm):
+    prompts = prompts_for(tiny_llm) * 3
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    a = tiny_llm.sample(prompts, params, seed=7)
+    b = tiny_llm.sample(prompts, params, seed=7)
+    c = tiny_llm.sample(prompts, params, seed=8)
+    assert [s.ids for s in a] == [s.ids for s in b]
+    assert [s.ids for s in a] != [s.ids for s in c]
+    # The logprob of a sampled token is log softmax(logits / T) at that position.
+    for p, s in zip(prompts[:4], a[:4]):
+        with torch.no_grad():
+            logits = tiny_llm.model(torch.tensor([p + s.ids])).logits[0].float()  # [L, V]
+        lp = torch.log_softmax(logits / params.temperature, -1)
+        ref = [lp[len(p) - 1 + j, t].item() for j, t in enumerate(s.ids)]
+        assert max(abs(x - y) for x, y in zip(ref, s.logprobs)) < 1e-4
+
+
+def test_temperature_changes_distribution_and_top_k_1_is_greedy(tiny_llm):
+    prompts = prompts_for(tiny_llm)
+    greedy = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=6))
+    topk1 = tiny_llm.sample(prompts, SamplingParams(1.0, top_k=1, max_new_tokens=6), seed=3)
+    assert [s.ids for s in greedy] == [s.ids for s in topk1]
+    tiny_p = tiny_llm.sample(prompts, SamplingParams(1.0, top_p=1e-6, max_new_tokens=6), seed=3)
+    assert [s.ids for s in greedy] == [s.ids for s in tiny_p]
+
+
+def test_stop_rules(tiny_llm):
+    prompts = prompts_for(tiny_llm)
+    free = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=12))
+    # A stop string taken from what greedy decoding will write: the row stops right there.
+    text = free[0].text
+    stop = text[3:6]
+    assert stop.strip()
+    s = tiny_llm.sample(prompts[:1], SamplingParams(0.0, max_new_tokens=12, stop=(stop,)))[0]
+    assert s.finish == "stop" and stop not in s.text and text.startswith(s.text)
+    assert s.ids == free[0].ids[:len(s.ids)] and len(s.ids) < 12
+    # EOS: force the first token to be EOS; the row ends with it, and its text is empty.
+    eos = tiny_llm.eos_ids[0]
+    e = tiny_llm.sample(prompts[:2], SamplingParams(0.0, max_new_tokens=12, first_tokens=(eos,)))
+    assert all(x.finish == "eos" and x.ids == [eos] and x.text == "" for x in e)
+    # Length.
+    n = tiny_llm.sample(prompts[:2], SamplingParams(0.0, max_new_tokens=3))
+    assert all(len(x.ids) <= 3 for x in n)
+    # Per-row stop strings.
+    r = tiny_llm.sample(prompts[:2], SamplingParams(0.0, max_new_tokens=12), row_stops=[(stop,), ()])
+    assert r[0].finish == "stop" and r[1].ids == free[1].ids
+
+
+def test_finished_rows_cost_nothing(tiny_llm):
+    """Rows that end are dropped from later forwards: count the batch size of each call."""
+    prompts = prompts_for(tiny_llm)
+    eos = tiny_llm.eos_ids[0]
+    sizes = []
+    hook = tiny_llm.model.model.embed_tokens.register_forward_hook(lambda m, i, o: sizes.append(o.shape[0]))
+    try:
+        # Row 0 can only start with EOS (finishes at once); the others must run to the end.
+        row_stops = [(), (), (), ()]
+        params = SamplingParams(0.0, max_new_tokens=6)
+        base = tiny_llm.sample(prompts, params, row_stops=row_stops)
+        sizes.clear()
+        stop0 = tiny_llm.tok.decode(base[0].ids[:1])
+        assert stop0.strip(), "the first greedy token of row 0 must be visible text for this test"
+        out = tiny_llm.sample(prompts, params, row_stops=[(stop0,), (), (), ()])
+    finally:
+        hook.remove()
+    assert out[0].finish == "stop" and len(out[0].ids) == 1
+    # prefix (1 row) and/or prefill (4 rows), then decode steps that carry only 3 rows
+    decode_sizes = sizes[-(params.max_new_tokens - 1):]
+    assert decode_sizes and all(s == 3 for s in decode_sizes), sizes
+    assert eos is not None
+
+
+def test_empty_batch(tiny_llm):
+    assert tiny_llm.sample([], SamplingParams()) == []

@@ -1,0 +1,276 @@
+"""Train the planner with Flow-GRPO, on-policy, inside the live agent loop.
+
+    python train.py config.yaml [key=value ...]      e.g. train.steps=2 out_dir=runs/try
+
+Paper, section 2. One step, top to bottom in `train_step` below:
+
+    1. draw Q queries and repeat each G times;
+    2. rollout: all Q*G trajectories run the four-module loop in lockstep, the planner
+       sampling from the CURRENT weights (agentflow.AgentSystem.rollout);
+    3. judge: one 0/1 reward R_i per trajectory from its final answer (judge.py);
+    4. advantage: A_i normalised over the G rollouts of the same query, broadcast to every
+       planner turn of trajectory i (flow_grpo.group_advantages, build_rows);
+    5. update: the clipped, KL-penalised Flow-GRPO loss over planner tokens only, AdamW
+       (flow_grpo.policy_update). The next step samples from the updated weights.
+
+Everything a run makes lands in out_dir: metrics.jsonl (one row per step),
+trajectories/step_N.jsonl (every rollout, for the report), eval/ (held-out
+evaluations), checkpoints/step_N/ (Hugging Face format + trainer_state.pt) and
+learning.json (held-out before vs after). A run that is interrupted resumes from its
+latest checkpoint and reaches the same weights as one that was not: data order,
+sampling seeds and mini-batch order are all functions of (seed, step).
+
+What we simplify against the official code: one process, one device, no Ray / vLLM /
+verl; the reference policy is the frozen initial weights, which also run the executor,
+verifier and generator.
+"""
+
+import copy
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agentflow import LLM, AgentSystem, agent_config, load_model
+from bench_data import load_benchmark
+from config import ConfigError, load_config
+from eval import evaluate, score_item
+from flow_grpo import build_rows, group_advantages, policy_update, zero_variance_groups
+from tools import build_tools
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print(__doc__.split("\n\n")[1])
+        return 2
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+def run(cfg: dict) -> dict:
+    """The whole job: build everything, (resume,) evaluate, train, evaluate, report."""
+    out = Path(cfg["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    t = cfg["train"]
+    seed_everything(cfg["seed"])
+    if cfg["model"]["threads"]:
+        torch.set_num_threads(cfg["model"]["threads"])
+
+    # The policy pi_theta (trainable planner) and the frozen initial weights, which are
+    # pi_ref for the KL term and also run the executor, verifier and generator.
+    model, tok = load_model(cfg["model"]["name"], cfg["model"]["device"], cfg["model"]["dtype"])
+    ref = copy.deepcopy(model).requires_grad_(False)
+    params = select_trainable(model, t["train_layers"])
+    optimizer = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])
+    warm = max(1, t["warmup_steps"] * t["epochs"] * t["minibatches"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warm))
+    agent = AgentSystem(LLM(model, tok), LLM(ref, tok), build_tools(cfg["agent"]["tools"], cfg["tools"]),
+                        agent_config(cfg["agent"]))
+    train_items = load_benchmark(cfg["data"]["train"])
+    heldout = load_benchmark(cfg["data"]["heldout"], limit=cfg["eval"]["limit"] or None)
+
+    start = resume(out, model, optimizer, scheduler) if cfg["resume"] else 0
+    if start:
+        print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
+    e = cfg["eval"]
+
+    def held_out_eval(step: int) -> dict:
+        return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
+                        max_turns=e["max_turns"], seed=e["seed"], desc=f"held-out eval @ step {step}")
+
+    before = held_out_eval(0) if t["eval_before_after"] else None
+    bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step")
+    for step in bar:
+        metrics = train_step(cfg, step, agent, model, ref, optimizer, scheduler, train_items, tok, out)
+        if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
+            metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", kl=f"{metrics['kl']:.4f}",
+                        tools=metrics["top_tool"])
+        if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
+            save_checkpoint(out, step + 1, model, tok, optimizer, scheduler)
+
+    result = {"before": before}
+    if t["eval_before_after"]:
+        result["after"] = held_out_eval(t["steps"])
+        (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
+        print_learning_table(result)
+    return result
+
+
+def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out) -> dict:
+    """One Flow-GRPO step: draw -> rollout -> judge -> advantage -> update."""
+    t, G = cfg["train"], cfg["train"]["group_size"]
+    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"])
+    seed = cfg["seed"] * 1_000_003 + step
+
+    # 2. Rollout: Q*G trajectories in lockstep; copies of a query are consecutive (a group).
+    t0 = time.time()
+    trajs = agent.rollout([it.question for it in queries for _ in range(G)], seed=seed)
+    t1 = time.time()
+
+    # 3. Judge: R_i in {0, 1} from the final answer alone.
+    for k, tr in enumerate(trajs):
+        tr.reward = float(score_item(queries[k // G], tr.answer)["correct"])
+    rewards = [tr.reward for tr in trajs]
+    t2 = time.time()
+
+    # 4. Advantage A_i over each group of G, broadcast to every planner turn of trajectory i.
+    advantages = group_advantages(rewards, G, [len(tr.turns) for tr in trajs], t["advantage_mode"])
+    for tr, a in zip(trajs, advantages):
+        tr.advantage = a
+    rows = build_rows(trajs, advantages)
+
+    # 5. Update on planner tokens only.
+    with torch.enable_grad():
+        upd = policy_update(model, ref, optimizer, rows, epochs=t["epochs"], minibatches=t["minibatches"],
+                            max_grad_norm=t["max_grad_norm"], seed=seed, scheduler=scheduler,
+                            temperature=cfg["agent"]["planner"]["temperature"], pad_id=agent.planner.pad_id,
+                            eps_low=t["eps_low"], eps_high=t["eps_high"], beta=t["beta"],
+                            micro_batch=t["micro_batch"], first_tokens=agent.planner_first_tokens,
+                            autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
+    t3 = time.time()
+
+    with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
+        for k, tr in enumerate(trajs):
+            f.write(json.dumps({"group": k // G, "task": queries[k // G].meta.get("task", ""),
+                                "gold": queries[k // G].gold, **tr.to_dict()}) + "\n")
+    tool_calls = Counter(tool for tr in trajs for tool in tr.tools_used)
+    n_calls = sum(tool_calls.values())
+    return {"step": step + 1, "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": sum(r > 0 for r in rewards) / len(rewards),
+            "zero_variance_groups": zero_variance_groups(rewards, G) / len(queries),
+            "mean_turns": sum(len(tr.turns) for tr in trajs) / len(trajs),
+            "tool_shares": {k: v / n_calls for k, v in sorted(tool_calls.items())},
+            "top_tool": tool_calls.most_common(1)[0][0] if tool_calls else "-",
+            "tool_error_rate": sum(tr.tool_errors for tr in trajs) / n_calls if n_calls else 0.0,
+            **upd, "lr": scheduler.get_last_lr()[0],
+            "time_rollout": t1 - t0, "time_judge": t2 - t1, "time_update": t3 - t2}
+
+
+def draw_queries(items: list, step: int, Q: int, seed: int) -> list:
+    """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded shuffles of the data."""
+    out = []
+    for k in range(step * Q, step * Q + Q):
+        epoch, pos = divmod(k, len(items))
+        order = list(range(len(items)))
+        random.Random(seed * 7919 + epoch).shuffle(order)
+        out.append(items[order[pos]])
+    return out
+
+
+def select_trainable(model, train_layers: int) -> list:
+    """All weights, or only the top `train_layers` transformer blocks and the final norm
+    (a cheaper update on a CPU; the embeddings, tied to the output layer in small models,
+    stay frozen)."""
+    if train_layers <= 0:
+        return [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)
+    decoder = model.get_decoder()
+    for module in list(decoder.layers[-train_layers:]) + [decoder.norm]:
+        module.requires_grad_(True)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints: Hugging Face format (loadable by AutoModelForCausalLM.from_pretrained) plus
+# trainer_state.pt, written to a temporary folder and renamed, so a crash mid-write never
+# leaves a checkpoint that looks complete.
+
+
+def save_checkpoint(out: Path, step: int, model, tok, optimizer, scheduler, keep: int = 2) -> Path:
+    ckdir = _mkdir(out / "checkpoints")
+    final = ckdir / f"step_{step}"
+    tmp = ckdir / f".tmp_step_{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng_state()}, tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(_checkpoints(out))[:-keep]:
+        shutil.rmtree(old[1])
+    return final
+
+
+def resume(out: Path, model, optimizer, scheduler) -> int:
+    """Load the latest complete checkpoint; return its step (0 if there is none)."""
+    cks = sorted(_checkpoints(out))
+    if not cks:
+        return 0
+    step, path = cks[-1]
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(loaded.state_dict())
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    # Metrics rows written after this checkpoint belong to steps that will run again.
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
+        metrics.write_text("".join(r + "\n" for r in rows))
+    return step
+
+
+def _checkpoints(out: Path) -> list[tuple[int, Path]]:
+    ckdir = out / "checkpoints"
+    if not ckdir.exists():
+        return []
+    return [(int(p.name.split("_")[1]), p) for p in ckdir.glob("step_*")
+            if (p / "trainer_state.pt").exists()]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def print_learning_table(result: dict) -> None:
+    b, a = result["before"], result["after"]
+    print("\nHeld-out accuracy, frozen planner (before) vs Flow-GRPO planner (after)")
+    print(f"{'':14s}{'before':>10s}{'after':>10s}")
+    print(f"{'overall':14s}{b['accuracy']:10.3f}{a['accuracy']:10.3f}   (n={a['n']})")
+    for kind in sorted(a.get("by_kind", {})):
+        print(f"{kind:14s}{b['by_kind'][kind]['accuracy']:10.3f}{a['by_kind'][kind]['accuracy']:10.3f}")
+    print(f"{'tool errors':14s}{b['tool_error_rate']:10.3f}{a['tool_error_rate']:10.3f}")
+    print(f"{'mean turns':14s}{b['mean_turns']:10.2f}{a['mean_turns']:10.2f}")
+    for name in sorted(set(b["tool_shares"]) | set(a["tool_shares"])):
+        print(f"{'% ' + name:14.14s}{b['tool_shares'].get(name, 0):10.3f}{a['tool_shares'].get(name, 0):10.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
