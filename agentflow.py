@@ -323,30 +323,48 @@ Memory of earlier steps:
 {memory}
 Step {turn} of at most {max_turns}. What is the next step?"""
 
-EXECUTOR_SYSTEM = "You write the input for a tool. Write only that input, nothing else."
+# The executor sees one worked example per tool of the toolset (all in the shared system
+# prompt, so the sampler runs them once per batch), then the question, what is known so
+# far, the planner's sub-goal and the chosen tool. Its reply is forced to start with the
+# tool's prefix and ends at the tool's stop string: code ends at the closing fence, a
+# query or a URL at the end of its line.
+EXECUTOR_SYSTEM = """You write the input for a tool, nothing else. Examples:
+{examples}"""
 EXECUTOR_USER = """Question: {query}
+Known so far:
+{memory}
 Sub-goal: {sub_goal}
-Tool: {tool}. {card}
-{hint}"""
+Tool: {tool}"""
+EXECUTOR_FORMAT = {  # tool -> (reply prefix, stop strings, example question, example input)
+    "Python_Coder": ("```python\n", ("```",), "What is 1234 * 56 + 7?", "print(1234 * 56 + 7)\n```"),
+    "Local_Search": ("Query:", ("\n",), "When was the town of Arvel founded?", " Arvel founded"),
+    "Wikipedia_Search": ("Query:", ("\n",), "Who wrote Hamlet?", " Hamlet"),
+    "Google_Search": ("Query:", ("\n",), "Who won the 2018 World Cup?", " 2018 World Cup winner"),
+    "Web_Search": ("Input:", ("\n",), "How tall is the tower on https://example.org/tower ?",
+                   " https://example.org/tower How tall is the tower?"),
+    "Base_Generator": ("Answer:", ("\n\n",), "What is the capital of France?", " Paris"),
+}
 
-VERIFIER_SYSTEM = """You check whether the memory already holds enough to answer the question.
+# The verifier's reply is one forced choice between two words (see
+# AgentSystem.__init__): a 135M model rarely writes a readable verdict freely.
+VERIFIER_SYSTEM = """You check whether the memory already holds the answer to the question.
 Reply STOP if it does, CONTINUE if another tool step is needed."""
 VERIFIER_USER = """Question: {query}
 Memory:
 {memory}"""
 
-GENERATOR_SYSTEM = "You answer the question using the memory of tool results. Give only the final answer."
+GENERATOR_SYSTEM = """You give the final answer to a question, using the memory of tool results.
+Reply with the answer only; when a tool result holds it, copy it exactly.
+Example: Question: What is 12 * 3? Memory: Turn 1: Python_Coder ... Result: 36 -> Answer: 36"""
 GENERATOR_USER = """Question: {query}
 Memory:
 {memory}"""
 
-# What the executor's reply is forced to start with, and where it ends, per tool. Code
-# ends at the closing fence; a search query or a URL at the end of the line.
-EXECUTOR_FORMAT = {
-    "Python_Coder": ("```python\n", ("```",)),
-    "Base_Generator": ("Answer:", ("\n\n",)),
-}
-EXECUTOR_DEFAULT_FORMAT = ("Input:", ("\n",))
+def executor_format(tool: str) -> tuple[str, tuple[str, ...], str, str]:
+    """(reply prefix, stop strings, example question, example input); a tool we have no
+    example for gets a plain one-line input."""
+    return EXECUTOR_FORMAT.get(tool, ("Input:", ("\n",), "", ""))
+
 
 # Words a small model uses for a tool when it does not spell the name right.
 TOOL_ALIASES = {
@@ -373,7 +391,7 @@ def parse_plan(text: str, tool_names: list[str]) -> Plan:
     tool mentioned wins. A reply naming no tool is an error recorded in memory."""
     lines = text.strip().splitlines() or [""]
     tool_line = lines[0].lower()
-    m = re.search(r"sub-?goal\s*:\s*(.+)", text, flags=re.IGNORECASE)
+    m = re.search(r"sub[- ]?goal\s*:\s*(.+)", text, flags=re.IGNORECASE)
     sub_goal = m.group(1).strip() if m else " ".join(lines[1:]).strip()
     # Exact names, then aliases, each in the order they appear in the tool line.
     for table in ({n: (n.lower(),) for n in tool_names},
@@ -383,16 +401,6 @@ def parse_plan(text: str, tool_names: list[str]) -> Plan:
             return Plan(tool=min(hits)[1], sub_goal=sub_goal, error="")
     return Plan(tool="", sub_goal=sub_goal,
                 error=f"planner named no known tool (wrote {text.strip()[:60]!r})")
-
-
-def parse_verdict(text: str) -> tuple[bool, str]:
-    """(stop?, error). Anything unreadable means 'continue', recorded as an error."""
-    t = text.strip().lower()
-    if "stop" in t or t.startswith("yes"):
-        return True, ""
-    if "continue" in t or t.startswith("no"):
-        return False, ""
-    return False, f"verifier reply unreadable ({text.strip()[:40]!r}); continuing"
 
 
 # ----------------------------------------------------------------------------------------
@@ -442,7 +450,7 @@ class AgentConfig:
     result_chars: int = 400
     planner: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, 40, ("\n\n",)))
     executor: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 96))
-    verifier: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 4, ("\n",)))
+    verifier: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 1))
     generator: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 32, ("\n",)))
 
 
@@ -472,6 +480,15 @@ class AgentSystem:
         first = {planner.tok.encode(" " + n, add_special_tokens=False)[0] for n in self.tool_names}
         self.planner_first_tokens = tuple(sorted(first)) if cfg.constrain_tool else ()
         self.planner_params = replace(cfg.planner, first_tokens=self.planner_first_tokens)
+        # The verifier's verdict is the first token of its reply, forced to " STOP" or
+        # " CONTINUE" (greedy: whichever the frozen model finds likelier).
+        self.stop_token, self.continue_token = (frozen.tok.encode(w, add_special_tokens=False)[0]
+                                                for w in (" STOP", " CONTINUE"))
+        self.verifier_params = replace(cfg.verifier, max_new_tokens=1,
+                                       first_tokens=(self.stop_token, self.continue_token))
+        self.executor_system = EXECUTOR_SYSTEM.format(examples="\n".join(
+            f"Question: {q}\nTool: {name}\n{prefix}{example}"
+            for name in self.tool_names for prefix, _, q, example in [executor_format(name)] if q))
 
     def rollout(self, queries: list[str], seed: int = 0, max_turns: int | None = None) -> list[Trajectory]:
         """Run every query to a final answer, all trajectories in lockstep.
@@ -515,10 +532,10 @@ class AgentSystem:
             if turn < T_max:
                 vprompts = [self.frozen.chat_ids(VERIFIER_SYSTEM, VERIFIER_USER.format(
                     query=tr.query, memory=tr.memory.render()), "Conclusion:") for tr in live]
-                for tr, text in zip(live, self.frozen.generate_texts(vprompts, self.cfg.verifier, s + 2)):
-                    stop, err = parse_verdict(text)
+                for tr, smp in zip(live, self.frozen.sample(vprompts, self.verifier_params, s + 2)):
+                    stop = smp.ids[:1] == [self.stop_token]
                     tr.memory.records[-1].verdict = "stop" if stop else "continue"
-                    tr.log.append({"module": "verifier", "turn": turn, "output": text, "error": err})
+                    tr.log.append({"module": "verifier", "turn": turn, "output": "STOP" if stop else "CONTINUE"})
                     tr.done = stop
             else:
                 for tr in live:
@@ -536,11 +553,10 @@ class AgentSystem:
         prompts = []
         for i in valid:
             tool = self.tools[plans[i].tool]
-            prefix, _ = EXECUTOR_FORMAT.get(tool.name, EXECUTOR_DEFAULT_FORMAT)
-            prompts.append(self.frozen.chat_ids(EXECUTOR_SYSTEM, EXECUTOR_USER.format(
-                query=live[i].query, sub_goal=plans[i].sub_goal or live[i].query, tool=tool.name,
-                card=tool.card, hint=tool.command_hint), prefix))
-        stops = [EXECUTOR_FORMAT.get(plans[i].tool, EXECUTOR_DEFAULT_FORMAT)[1] for i in valid]
+            prompts.append(self.frozen.chat_ids(self.executor_system, EXECUTOR_USER.format(
+                query=live[i].query, memory=live[i].memory.render(), tool=tool.name,
+                sub_goal=plans[i].sub_goal or live[i].query), executor_format(tool.name)[0]))
+        stops = [executor_format(plans[i].tool)[1] for i in valid]
         commands = {}
         for i, smp in zip(valid, self.frozen.sample(prompts, self.cfg.executor, seed, row_stops=stops)):
             commands[i] = smp.text.strip()

@@ -33,7 +33,7 @@ DEFAULTS = {
         # so the sampler's log-probs are exactly what the loss recomputes.
         "planner": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 40},
         "executor": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 96},
-        "verifier": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 4},
+        "verifier": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 1},  # a forced STOP / CONTINUE token
         "generator": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 32},
     },
     "tools": dict(DEFAULT_TOOL_CFG),  # passed to tools.build_tools; tools.py comments each key
@@ -129,6 +129,11 @@ def _coerce(name: str, value, want):
     kind = type(want)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if kind is float and isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if kind is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):

@@ -1,0 +1,142 @@
+"""End to end on a tiny random model: full training steps, checkpoints transformers can
+load, resume == uninterrupted, config validation, and eval on the official files."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import eval as evaluation
+from config import ConfigError, load_config
+import train
+from train import draw_queries, run
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT.parent / "shared" / "benchmarks"
+
+
+def tiny_cfg(model_dir, out_dir, *extra):
+    return load_config(str(ROOT / "config.yaml"), [
+        f"model.name={model_dir}", "model.device=cpu", f"out_dir={out_dir}",
+        f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
+        f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "train.queries_per_step=2", "train.group_size=2",
+        "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
+        "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "eval.limit=4",
+        "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0", *extra])
+
+
+@pytest.fixture()
+def learnable_reward(monkeypatch):
+    """A random model never answers right, so every advantage would be 0 and nothing would
+    train. Replace the judge (tested on its own in test_judge.py) by a deterministic
+    reward the random model does earn sometimes: the answer's length is odd."""
+    monkeypatch.setattr(train, "score_item", lambda item, answer: {"correct": len(answer) % 2 == 1})
+
+
+def weights(path):
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=2", "train.save_every=1")
+    result = run(cfg)
+    out = tmp_path / "run"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward_mean", "accuracy", "zero_variance_groups", "mean_turns", "tool_shares",
+                "tool_error_rate", "kl", "clip_frac", "entropy", "grad_norm", "planner_tokens",
+                "time_rollout", "time_judge", "time_update", "logprob_gap"):
+        assert key in rows[0], key
+    assert all(r["logprob_gap"] < 1e-3 for r in rows)  # the loss is on-policy
+    assert rows[0]["planner_tokens"] > 0
+    # Checkpoint in Hugging Face format, loadable as is, with weights that moved.
+    ck = out / "checkpoints" / "step_2"
+    model = AutoModelForCausalLM.from_pretrained(ck)
+    assert model.config.num_hidden_layers == 2
+    before, after = weights(tiny_model_dir), weights(ck)
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    assert any(r["zero_variance_groups"] < 1 for r in rows), "the test reward must give a signal"
+    assert moved
+    assert not list((out / "checkpoints").glob(".tmp*"))  # nothing half-written left
+    # Held-out evaluation before and after, and the learning table.
+    learning = json.loads((out / "learning.json").read_text())
+    for side in ("before", "after"):
+        for key in ("accuracy", "n", "by_kind", "tool_shares", "tool_error_rate"):
+            assert key in learning[side]
+    assert learning["after"]["n"] == 4 and result["after"] == learning["after"]
+    assert len((out / "trajectories" / "step_1.jsonl").read_text().splitlines()) == 4
+
+
+def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, learnable_reward):
+    common = ("train.steps=3", "train.save_every=1", "train.eval_before_after=false")
+    run(tiny_cfg(tiny_model_dir, tmp_path / "full", *common))
+    # Interrupted after step 2 (simulate: run 2 steps), then resumed to 3.
+    run(tiny_cfg(tiny_model_dir, tmp_path / "cut", "train.steps=2", "train.save_every=1",
+                 "train.eval_before_after=false"))
+    run(tiny_cfg(tiny_model_dir, tmp_path / "cut", *common))
+    a = weights(tmp_path / "full" / "checkpoints" / "step_3")
+    b = weights(tmp_path / "cut" / "checkpoints" / "step_3")
+    start = weights(tiny_model_dir)
+    assert any(not torch.equal(a[k], start[k]) for k in a), "training must have moved the weights"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    rows = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3]
+
+
+def test_data_order_is_a_function_of_seed_and_step():
+    items = list(range(10))
+    first = [draw_queries(items, s, 4, seed=0) for s in range(5)]
+    assert first == [draw_queries(items, s, 4, seed=0) for s in range(5)]
+    assert sorted(first[0] + first[1] + first[2][:2]) == items  # an epoch covers every item once
+    assert first != [draw_queries(items, s, 4, seed=1) for s in range(5)]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.lrr=1", ["train.lrr", "allowed", "lr"]),
+    ("train.lr=fast", ["train.lr", "float"]),
+    ("train.group_size=1", ["group_size", ">= 2"]),
+    ("agent.planner.top_p=0.9", ["agent.planner", "top_p"]),
+    ("model.device=tpu", ["model.device", "cpu"]),
+    ("steps", ["key=value"]),
+])
+def test_bad_config_names_the_key_and_the_fix(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(ROOT / "config.yaml"), [override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_train_cli_reports_config_errors(capsys):
+    from train import main
+    assert main([str(ROOT / "config.yaml"), "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="../shared/benchmarks is not beside the repo")
+@pytest.mark.parametrize("name", ["gameof24", "bamboogle"])
+def test_eval_on_official_files_writes_results_and_resumes(tiny_model_dir, tmp_path, name):
+    out = tmp_path / name
+    args = ["--benchmark", str(BENCH / f"{name}.json"), "--config", str(ROOT / "config.yaml"),
+            "--limit", "3", "--max-turns", "1", "--out", str(out), f"model.name={tiny_model_dir}",
+            "model.device=cpu", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}",
+            "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6",
+            "agent.planner.max_new_tokens=6"]
+    assert evaluation.main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        for key in ("question", "gold", "answer", "correct", "turns", "tools", "errors", "trajectory"):
+            assert key in r
+        assert r["turns"] == 1 and r["trajectory"]["log"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 3 and 0 <= summary["accuracy"] <= 1
+    for key in ("mean_turns", "tool_shares", "tool_error_rate"):
+        assert key in summary
+    # Resume: a second run over 4 items only runs the missing one.
+    assert evaluation.main(args[:5] + ["4"] + args[6:]) == 0
+    rows2 = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows2) == 4 and rows2[:3] == rows
