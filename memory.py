@@ -29,8 +29,8 @@ def cut(text: str, limit: int) -> str:
     text = text.strip()
     if len(text) <= limit:
         return text
-    marker = f"...[cut {len(text) - limit} chars]"
-    return text[: max(0, limit - len(marker))] + marker
+    keep = max(0, limit - len(f"...[cut {len(text)} chars]"))  # room left beside the longest marker
+    return text[:keep] + f"...[cut {len(text) - keep} chars]"
 
 
 @dataclass
