@@ -140,3 +140,9 @@ def test_eval_on_official_files_writes_results_and_resumes(tiny_model_dir, tmp_p
     assert evaluation.main(args[:5] + ["4"] + args[6:]) == 0
     rows2 = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows2) == 4 and rows2[:3] == rows
+
+
+@pytest.mark.parametrize("path", [ROOT / "config.yaml", *sorted((ROOT / "configs").glob("*.yaml"))])
+def test_shipped_configs_are_valid(path):
+    cfg = load_config(str(path))
+    assert cfg["train"]["group_size"] >= 2 and cfg["agent"]["tools"]
