@@ -44,6 +44,7 @@ from bench_data import load_benchmark
 from config import ConfigError, load_config
 from eval import evaluate, score_item
 from flow_grpo import build_rows, group_advantages, policy_update, zero_variance_groups
+from report import write_report
 from tools import build_tools
 
 
@@ -104,13 +105,24 @@ def run(cfg: dict) -> dict:
                         tools=metrics["top_tool"])
         if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
             save_checkpoint(out, step + 1, model, tok, optimizer, scheduler)
+            refresh_report(out)
 
     result = {"before": before}
     if t["eval_before_after"]:
         result["after"] = held_out_eval(t["steps"])
         (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
         print_learning_table(result)
+    print(f"report: {refresh_report(out)}")
     return result
+
+
+def refresh_report(out: Path):
+    """Rewrite out_dir/report.html; a report that cannot be written never stops training."""
+    try:
+        return write_report(out)
+    except OSError as e:
+        print(f"warning: could not write the report: {e}", file=sys.stderr)
+        return None
 
 
 def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out) -> dict:

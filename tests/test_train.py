@@ -68,6 +68,8 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
             assert key in learning[side]
     assert learning["after"]["n"] == 4 and result["after"] == learning["after"]
     assert len((out / "trajectories" / "step_1.jsonl").read_text().splitlines()) == 4
+    html = (out / "report.html").read_text()
+    assert "5. Trajectory browser" in html and "2. Held-out evaluation" in html
 
 
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, learnable_reward):
