@@ -187,33 +187,10 @@ class LLM:
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
         cache = DynamicCache()
-
-        # 1. Shared prefix: the longest run of tokens every prompt starts with, run once.
-        #    At least one token per prompt stays in its suffix, which yields the first logits.
-        P = _common_prefix_len(prompts) if n > 1 else 0
-        P = min(P, min(len(p) for p in prompts) - 1)
-        if P < 8:  # too short to be worth a separate forward
-            P = 0
-        if P:
-            prefix = torch.tensor([prompts[0][:P]], device=dev)  # [1, P]
-            self.model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-            cache.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
-
-        # 2. Prefill the suffixes, left-padded so that every row's last prompt token is the
-        #    last column: [prefix | pads | suffix]. Pads are masked out and skipped by the
-        #    position ids, so each row computes exactly what it would alone.
-        suffixes = [p[P:] for p in prompts]
-        L = max(len(s) for s in suffixes)
-        ids = torch.full((n, L), self.pad_id, dtype=torch.long, device=dev)  # [n, L]
-        mask = torch.zeros((n, P + L), dtype=torch.long, device=dev)  # [n, P+L], 1 = real token
-        mask[:, :P] = 1
-        for i, s in enumerate(suffixes):
-            ids[i, L - len(s):] = torch.tensor(s, device=dev)
-            mask[i, P + L - len(s):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [n, L] position of each token in its own prompt
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :].float()  # [n, V]
+        # 1-2. Prefill: shared prefix once, then the left-padded suffixes (see prefill).
+        logits, mask = prefill(self.model, prompts, self.pad_id, cache, logits_to_keep=1,
+                               max_prefix=min(len(p) for p in prompts) - 1)
+        logits = logits[:, -1, :].float()  # [n, V]
         next_pos = mask.sum(-1, keepdim=True)  # [n, 1] position of the next token
 
         # 3. Decode. `live` maps the rows of the shrinking batch to the original prompts.
@@ -267,6 +244,40 @@ class LLM:
 
     def generate_texts(self, prompts: list[list[int]], params: SamplingParams, seed: int = 0) -> list[str]:
         return [s.text for s in self.sample(prompts, params, seed)]
+
+
+def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int, max_prefix: int):
+    """Run token sequences as one batch; return (logits [n, logits_to_keep, V], mask [n, P+L]).
+
+    The longest run of tokens every sequence starts with (capped at `max_prefix`) is run
+    ONCE at batch 1 and its keys/values are copied to every row: module prompts share
+    their instructions and tool cards, and the G rollouts of a query share everything.
+    The rest of each row is left-padded so all rows end in the last column:
+    [prefix | pads | suffix]. Pads are masked out and skipped by the position ids, so
+    each row computes exactly what it would alone. The sampler and the trainer
+    (flow_grpo.token_logprobs) both lay rows out through this one function; it is
+    differentiable, so the trainer's prefix is computed once too.
+    """
+    n, dev = len(seqs), next(model.parameters()).device
+    P = min(_common_prefix_len(seqs), max_prefix) if n > 1 else 0
+    if P < 8:  # too short to be worth a separate forward
+        P = 0
+    if P:
+        prefix = torch.tensor([seqs[0][:P]], device=dev)  # [1, P]
+        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
+    suffixes = [s[P:] for s in seqs]
+    L = max(len(s) for s in suffixes)
+    ids = torch.full((n, L), pad_id, dtype=torch.long, device=dev)  # [n, L]
+    mask = torch.zeros((n, P + L), dtype=torch.long, device=dev)  # [n, P+L], 1 = real token
+    mask[:, :P] = 1
+    for i, s in enumerate(suffixes):
+        ids[i, L - len(s):] = torch.tensor(s, device=dev)
+        mask[i, P + L - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [n, L] position of each token in its own sequence
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                logits_to_keep=logits_to_keep)
+    return out.logits, mask
 
 
 def _common_prefix_len(prompts: list[list[int]]) -> int:

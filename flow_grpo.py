@@ -30,6 +30,9 @@ are the weights we update: on-policy, no stale copy), so no extra forward is spe
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
+
+from agentflow import prefill
 
 
 @dataclass
@@ -102,27 +105,25 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
     Returns (logp [R, A], logits [R, A, V], mask [R, A]) where A = the longest action;
     row r's action fills the LAST |a_r| columns (mask 1), like its tokens in the
     sequence. Same distribution as the sampler: log_softmax(logits / T) in float32 over
-    the full vocabulary. Rows are left-padded, with position ids that skip the pads,
-    exactly as the sampler laid them out, so only action positions need logits.
+    the full vocabulary. Rows are laid out exactly as the sampler laid them out
+    (agentflow.prefill: shared prefix once, left-padded suffixes), so only action
+    positions need logits.
     With `first_tokens` (the planner's tool constraint), each action's first token is
     scored under the softmax over those ids alone, as the sampler drew it.
     """
     dev = next(model.parameters()).device
     seqs = [r.prompt_ids + r.action_ids for r in rows]
-    L = max(len(s) for s in seqs)
     A = max(len(r.action_ids) for r in rows)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long, device=dev)  # [R, L]
-    attn = torch.zeros((len(rows), L), dtype=torch.long, device=dev)  # [R, L]
     mask = torch.zeros((len(rows), A), dtype=torch.float32, device=dev)  # [R, A]
-    for i, (s, r) in enumerate(zip(seqs, rows)):
-        ids[i, L - len(s):] = torch.tensor(s, device=dev)
-        attn[i, L - len(s):] = 1
+    targets = torch.zeros((len(rows), A), dtype=torch.long, device=dev)  # [R, A]
+    for i, r in enumerate(rows):
         mask[i, A - len(r.action_ids):] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [R, L]
+        targets[i, A - len(r.action_ids):] = torch.tensor(r.action_ids, device=dev)
     # The logits at position p predict token p+1: the last A+1 positions cover every action.
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=A + 1)
-    logits = out.logits[:, :-1, :].float() / temperature  # [R, A, V]
-    targets = ids[:, L - A:]  # [R, A]
+    # The shared prompt prefix (instructions, tool cards) is computed once for all rows.
+    logits, _ = prefill(model, seqs, pad_id, DynamicCache(), logits_to_keep=A + 1,
+                        max_prefix=min(len(r.prompt_ids) for r in rows) - 1)
+    logits = logits[:, :-1, :].float() / temperature  # [R, A, V]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [R, A]
     if first_tokens:
         r = torch.arange(len(rows), device=dev)  # [R]
