@@ -1,0 +1,220 @@
+"""Benchmark of the engine: how fast the hand-written sampler makes rollouts, and why.
+
+    python bench.py                                  # the full run, 2-core CPU: ~15-20 min
+    python bench.py --quick                          # sequential rollouts on 8, not 32
+    python bench.py --device cuda --dtype bfloat16   # the same code on a GPU
+
+On-policy RL spends most of its time generating (DESIGN.md, "Measured on this kind of
+machine"), so the engine's speed decides how many Flow-GRPO steps a run gets. Measured
+side by side in one run, on the default model (SmolLM2-135M), each figure as `name: value`:
+
+  1. sampler vs `model.generate`: new tokens/s at batch 1, 8, 32, 64, exactly 64 new
+     tokens per row on both sides (plain sampling, temperature 1, no top-p / top-k, EOS
+     made impossible), the same chat prompts of different lengths. Wall time includes
+     the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
+     >= 150 tokens/s at b64.
+  2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
+     planner's instructions with six tool cards), with the sampler's shared-prefix path
+     on and off. Target: >= 5x.
+  3. rollout: 32 trajectories (8 held-out queries x G=4, config.yaml's agent) in lockstep
+     vs one at a time. Target: >= 8x.
+  4. roofline: a large matmul gives the machine's GFLOP/s; a token costs ~2 * n_params
+     FLOPs (one multiply-add per weight, attention over short contexts ignored), so
+     GFLOP/s / (2 * n_params) is the most tokens/s any engine could reach here.
+
+Figures move with the machine's load: the '#' header says what it was.
+"""
+
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+
+import agentflow
+from agentflow import LLM, PLANNER_SYSTEM, SamplingParams, load_model
+from config import load_config
+from eval import build_agent
+from tools import TOOL_CLASSES, build_tools
+
+NEW = 64  # new tokens per row in the throughput comparison
+BATCHES = (1, 8, 32, 64)
+
+# Chat prompts of different lengths for the throughput comparison. The system prompts
+# begin differently, so the sampler finds no shared prefix: this part measures the
+# decode loop, not prefix reuse (part 2 does that).
+SYSTEMS = [
+    "You are a helpful assistant.",
+    "Answer in one short sentence.",
+    "Be concise. Think about units and show the final number on its own line.",
+    "As a careful research assistant, you read the question twice, name what is being "
+    "asked, list the facts you know about it, say which are uncertain, and then give "
+    "your best answer with a one-line justification.",
+]
+
+
+def header(args) -> None:
+    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"device {args.device}, dtype {args.dtype}")
+    print(f"# load average (1, 5, 15 min) at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+          f" on {os.cpu_count()} CPUs")
+    if args.device == "cuda":
+        print(f"# gpu {torch.cuda.get_device_name()}")
+
+
+def clock(device: str, fn) -> float:
+    """Seconds one call of fn takes; on a GPU, the queued kernels are waited for."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def read_questions(path: str, n: int) -> list[str]:
+    with open(path) as f:
+        return [json.loads(line)["question"] for line in f if line.strip()][:n]
+
+
+def generate(llm: LLM, prompts: list[list[int]], new: int, seed: int = 0):
+    """transformers' `generate`, left-padded, sampling exactly `new` tokens per row."""
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[llm.pad_id] * (L - len(p)) + p for p in prompts], device=llm.device)  # [B, L]
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=llm.device)  # [B, L]
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return llm.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                  top_p=1.0, top_k=0, max_new_tokens=new, min_new_tokens=new,
+                                  pad_token_id=llm.pad_id)
+
+
+def throughput(llm: LLM, questions: list[str], device: str) -> dict:
+    """Part 1: new tokens/s of our sampler and of `generate` at each batch size."""
+    no_eos = copy.copy(llm)  # the same model and tokenizer; only the EOS set differs
+    no_eos.eos_ids = [-1]  # an id no token has: every row runs the full NEW tokens
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW)
+    prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)])
+               for i in range(max(BATCHES))]
+    print(f"# throughput prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"shared prefix {agentflow._common_prefix_len(prompts)} tokens (< 8: not reused)")
+    # Warm up each path once (allocator, kernels, lazy init) on a small batch.
+    no_eos.sample(prompts[:4], replace_new(params, 8))
+    generate(llm, prompts[:4], 8)
+    out = {}
+    for B in BATCHES:
+        t_ours = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B))
+        t_hf = clock(device, lambda: generate(llm, prompts[:B], NEW, seed=B))
+        out[f"sampler_tokens_per_s_b{B}"] = B * NEW / t_ours
+        out[f"generate_tokens_per_s_b{B}"] = B * NEW / t_hf
+        out[f"sampler_vs_generate_b{B}"] = t_hf / t_ours
+        for k in ("sampler_tokens_per_s", "generate_tokens_per_s", "sampler_vs_generate"):
+            show(f"{k}_b{B}", out[f"{k}_b{B}"])
+    return out
+
+
+def replace_new(params: SamplingParams, new: int) -> SamplingParams:
+    return SamplingParams(**{**vars(params), "max_new_tokens": new})
+
+
+def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
+    """Part 2: prefill of 32 prompts behind one long shared system prompt, reuse on/off."""
+    cards = "\n".join(f"- {t.name}: {t.card}" for t in build_tools(sorted(TOOL_CLASSES)).values())
+    system = PLANNER_SYSTEM.format(cards=cards)  # the planner's instructions, all six tool cards
+    prompts = [llm.chat_ids(system, f"Question: {q}\nWhat is the next step?", "Tool:")
+               for q in questions[:32]]
+    shared = agentflow._common_prefix_len(prompts)
+    print(f"# prefix prompts: 32 x {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{shared} shared")
+    one = SamplingParams(max_new_tokens=1)  # prefill + the first token, no decode step
+    real = agentflow._common_prefix_len
+
+    def unshared(ps):  # the sampler with its shared-prefix path switched off
+        agentflow._common_prefix_len = lambda prompts: 0
+        try:
+            llm.sample(ps, one)
+        finally:
+            agentflow._common_prefix_len = real
+
+    llm.sample(prompts[:4], one)  # warm up both paths
+    unshared(prompts[:4])
+    t_shared = clock(device, lambda: llm.sample(prompts, one))
+    t_unshared = clock(device, lambda: unshared(prompts))
+    show("prefill_shared_s", t_shared)
+    show("prefill_unshared_s", t_unshared)
+    show("prefix_reuse_speedup", t_unshared / t_shared)
+
+
+def rollouts(args, questions: list[str]) -> None:
+    """Part 3: one rollout of 8 queries x G=4 in lockstep vs the same 32 one at a time."""
+    cfg = load_config("config.yaml", [f"model.device={args.device}", f"model.dtype={args.dtype}"])
+    agent = build_agent(cfg)
+    G = 4
+    queries = [q for q in questions[:8] for _ in range(G)]  # grouped as train.py groups them
+    agent.rollout(queries[:1], seed=99)  # warm-up: one trajectory, every module and tool
+    batched = []
+    t_batched = clock(args.device, lambda: batched.extend(agent.rollout(queries, seed=0)))
+    # One at a time, trajectory k with seed k: the G copies of a query must differ, as the
+    # rows of one batched call do (one seed there, different random draws per row).
+    n_seq = 8 if args.quick else len(queries)
+    sequential = []
+    t_seq = clock(args.device, lambda: [sequential.extend(agent.rollout([q], seed=k))
+                                        for k, q in enumerate(queries[:n_seq])])
+    t_seq *= len(queries) / n_seq
+    turns = lambda trajs: sum(len(t.turns) for t in trajs) / len(trajs)
+    print(f"# rollout work: batched {turns(batched):.2f} planner turns per trajectory, "
+          f"sequential {turns(sequential):.2f}")
+    if args.quick:
+        print(f"# --quick: sequential ran {n_seq} trajectories, time below extrapolated x{len(queries) // n_seq}")
+    show("rollout_batched_s", t_batched)
+    show("rollout_sequential_s", t_seq)
+    show("rollout_batched_speedup", t_seq / t_batched)
+
+
+def roofline(llm: LLM, args, sampler_b64: float) -> None:
+    """Part 4: the matmul speed of this machine, and what fraction of it the sampler uses."""
+    n = 4096 if args.device == "cuda" else 2048
+    dtype = getattr(torch, args.dtype) if args.device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=args.device, dtype=dtype)
+    b = torch.randn(n, n, device=args.device, dtype=dtype)
+    a @ b  # warm-up
+    reps = 50 if args.device == "cuda" else 5
+    t = clock(args.device, lambda: [a @ b for _ in range(reps)])
+    gflops = reps * 2 * n ** 3 / t / 1e9
+    n_params = sum(p.numel() for p in llm.model.parameters())
+    gflop_per_token = 2 * n_params / 1e9  # one multiply-add per weight per token
+    print(f"# roofline: {n}x{n} @ {n}x{n} {dtype}, x{reps}; model {n_params / 1e6:.1f}M parameters, "
+          f"~2 * n_params = {gflop_per_token:.3f} GFLOP per token")
+    show("matmul_gflop_per_s", gflops)
+    show("roofline_tokens_per_s", gflops / gflop_per_token)
+    show("sampler_fraction_of_roofline_b64", sampler_b64 / (gflops / gflop_per_token))
+
+
+def show(name: str, value: float) -> None:
+    print(f"{name}: {value:.3f}" if value < 10 else f"{name}: {value:.1f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--quick", action="store_true", help="sequential rollouts on 8 trajectories, x4")
+    args = ap.parse_args()
+    header(args)
+    model, tok = load_model(agentflow.DEFAULT_MODEL, args.device, args.dtype)
+    llm = LLM(model, tok)
+    questions = read_questions("data/heldout.jsonl", 64)
+    t0 = time.perf_counter()
+    tp = throughput(llm, questions, args.device)
+    prefix_reuse(llm, questions, args.device)
+    rollouts(args, questions)
+    roofline(llm, args, tp["sampler_tokens_per_s_b64"])
+    print(f"# total {time.perf_counter() - t0:.0f} s; load average at end: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
