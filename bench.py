@@ -3,6 +3,7 @@
     python bench.py                                  # the full run, 2-core CPU: ~15-20 min
     python bench.py --quick                          # sequential rollouts on 8, not 32
     python bench.py --device cuda --dtype bfloat16   # the same code on a GPU
+    python bench.py --threads 1                      # when another job shares the CPU
 
 On-policy RL spends most of its time generating (DESIGN.md, "Measured on this kind of
 machine"), so the engine's speed decides how many Flow-GRPO steps a run gets. Measured
@@ -202,7 +203,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--quick", action="store_true", help="sequential rollouts on 8 trajectories, x4")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); "
+                    "1 if another torch job shares the cores: spinning threads then stall each other")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     header(args)
     model, tok = load_model(agentflow.DEFAULT_MODEL, args.device, args.dtype)
     llm = LLM(model, tok)
