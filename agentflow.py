@@ -38,7 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from memory import Memory
 from tools import Tool, run_tool_calls
@@ -186,7 +187,7 @@ class LLM:
         stops = row_stops or [params.stop] * n
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
-        cache = DynamicCache()
+        cache = roomy_cache()
         # 1-2. Prefill: shared prefix once, then the left-padded suffixes (see prefill).
         logits, mask = prefill(self.model, prompts, self.pad_id, cache, logits_to_keep=1,
                                max_prefix=min(len(p) for p in prompts) - 1)
@@ -244,6 +245,70 @@ class LLM:
 
     def generate_texts(self, prompts: list[list[int]], params: SamplingParams, seed: int = 0) -> list[str]:
         return [s.text for s in self.sample(prompts, params, seed)]
+
+
+class RoomyLayer(DynamicLayer):
+    """One layer's keys and values in a buffer with room to grow (the sampler's cache).
+
+    Hugging Face's DynamicLayer appends each new token with torch.cat, which copies the
+    WHOLE cache of every layer at every decode step: at batch 64 and 170 cached tokens
+    that is ~500 MB of copying per step for SmolLM2, as much memory traffic as reading
+    the weights. Here the buffer [b, H, capacity, D] is written in place and attention
+    reads a view of its first `length` positions; the capacity doubles when full, so
+    growing costs O(1) per token amortised. Dropping finished rows (batch_select_indices)
+    copies once, when it happens. Masks and positions are untouched: to the model this
+    is a DynamicLayer whose tensors happen to live inside a bigger buffer.
+    """
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length, self.k_buf, self.v_buf = 0, None, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, s = self.length, key_states.shape[-2]
+        if self.k_buf is None:  # first call (the prefill): room for as many new positions again
+            b, H, _, D = key_states.shape
+            self.k_buf = key_states.new_empty((b, H, 2 * s, D))
+            self.v_buf = value_states.new_empty((b, H, 2 * s, value_states.shape[-1]))
+        elif n + s > self.k_buf.shape[-2]:
+            self._move(2 * (n + s))
+        self.k_buf[:, :, n:n + s] = key_states  # [b, H, s, D] into the free slots
+        self.v_buf[:, :, n:n + s] = value_states
+        self.length = n + s
+        self._views()
+        return self.keys, self.values  # [b, H, n+s, D] views, no copy
+
+    def _views(self) -> None:
+        self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+
+    def _move(self, capacity: int, rows: torch.Tensor | None = None) -> None:
+        """Copy the cached positions (of `rows` only, if given) into new buffers."""
+        k, v = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+        if rows is not None:
+            k, v = k[rows], v[rows]
+        self.k_buf = k.new_empty((k.shape[0], k.shape[1], capacity, k.shape[3]))
+        self.v_buf = v.new_empty((v.shape[0], v.shape[1], capacity, v.shape[3]))
+        self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length] = k, v
+        self._views()
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:  # the shared prefix -> every row
+        if self.get_seq_length() > 0:
+            rows = torch.arange(self.k_buf.shape[0], device=self.k_buf.device).repeat_interleave(repeats)
+            self._move(self.k_buf.shape[-2], rows)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:  # drop finished rows
+        if self.get_seq_length() > 0:
+            self._move(self.k_buf.shape[-2], indices)
+
+
+def roomy_cache() -> Cache:
+    """A cache for the sampler whose layers grow in place (RoomyLayer)."""
+    return Cache(layer_class_to_replicate=RoomyLayer)
 
 
 def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int, max_prefix: int):
@@ -366,7 +431,22 @@ Memory:
 
 GENERATOR_SYSTEM = """You give the final answer to a question, using the memory of tool results.
 Reply with the answer only; when a tool result holds it, copy it exactly.
-Example: Question: What is 12 * 3? Memory: Turn 1: Python_Coder ... Result: 36 -> Answer: 36"""
+
+Example:
+Question: How many crew does the Telpok carry?
+Memory:
+Turn 1: Local_Search - Find the crew of the Telpok
+  Command: Telpok crew
+  Result: Telpok: The Telpok is a fishing ship. It was launched in 1957 and carries a crew of 12.
+Answer: 12
+
+Example:
+Question: What is 12 * 3?
+Memory:
+Turn 1: Python_Coder - Compute 12 * 3
+  Command: print(12 * 3)
+  Result: 36
+Answer: 36"""
 GENERATOR_USER = """Question: {query}
 Memory:
 {memory}"""
@@ -457,6 +537,8 @@ class Trajectory:
 class AgentConfig:
     max_turns: int = 3  # T_max (paper: 3 in training, up to 10 at test)
     constrain_tool: bool = True  # the planner's first token must begin a tool name
+    force_tool: str = ""  # if set, every planner action begins with this tool (measurement only)
+    code_start: str = ""  # text every Python_Coder input is forced to begin with, e.g. "print("
     memory_budget_chars: int = 1200
     result_chars: int = 400
     planner: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, 40, ("\n\n",)))
@@ -468,6 +550,7 @@ class AgentConfig:
 def agent_config(a: dict) -> AgentConfig:
     """AgentConfig from the config's `agent` section (config.py lists the keys)."""
     return AgentConfig(max_turns=a["max_turns"], constrain_tool=a["constrain_tool"],
+                       force_tool=a["force_tool"], code_start=a["code_start"],
                        memory_budget_chars=a["memory_budget_chars"],
                        result_chars=a["result_chars"],
                        **{k: SamplingParams(**{**vars(getattr(AgentConfig(), k)), **a[k]})
@@ -488,8 +571,11 @@ class AgentSystem:
         # tool names (" Python", " Local", ...): the policy over tools becomes a softmax
         # over those few tokens, and the trainer applies the same restriction
         # (flow_grpo.token_logprobs), so log-probs still match exactly.
-        first = {planner.tok.encode(" " + n, add_special_tokens=False)[0] for n in self.tool_names}
-        self.planner_first_tokens = tuple(sorted(first)) if cfg.constrain_tool else ()
+        # With force_tool (eval.py --force-tool), the only allowed first token is that
+        # tool's: what each tool choice is worth, the yardstick for a trained planner.
+        first = {planner.tok.encode(" " + n, add_special_tokens=False)[0]
+                 for n in ([cfg.force_tool] if cfg.force_tool else self.tool_names)}
+        self.planner_first_tokens = tuple(sorted(first)) if cfg.constrain_tool or cfg.force_tool else ()
         self.planner_params = replace(cfg.planner, first_tokens=self.planner_first_tokens)
         # The verifier's verdict is the first token of its reply, forced to " STOP" or
         # " CONTINUE" (greedy: whichever the frozen model finds likelier).
@@ -561,15 +647,18 @@ class AgentSystem:
         return trajs
 
     def _execute(self, live, plans, valid, turn, seed) -> dict[int, str]:
+        # The tool input starts with `start`: code_start for Python (config.yaml forces
+        # "print(" so a 135M model writes one printed expression, not an uncalled def).
+        starts = {i: self.cfg.code_start if plans[i].tool == "Python_Coder" else "" for i in valid}
         prompts = []
         for i in valid:
             tool = self.tools[plans[i].tool]
             prompts.append(self.frozen.chat_ids(self.executor_system, EXECUTOR_USER.format(
                 query=live[i].query, memory=live[i].memory.render(), tool=tool.name,
-                sub_goal=plans[i].sub_goal or live[i].query), executor_format(tool.name)[0]))
+                sub_goal=plans[i].sub_goal or live[i].query), executor_format(tool.name)[0] + starts[i]))
         stops = [executor_format(plans[i].tool)[1] for i in valid]
         commands = {}
         for i, smp in zip(valid, self.frozen.sample(prompts, self.cfg.executor, seed, row_stops=stops)):
-            commands[i] = smp.text.strip()
+            commands[i] = (starts[i] + smp.text).strip()
             live[i].log.append({"module": "executor", "turn": turn, "tool": plans[i].tool, "output": commands[i]})
         return commands

@@ -27,6 +27,8 @@ DEFAULTS = {
         "tools": ["Base_Generator", "Python_Coder", "Local_Search"],  # the toolset K
         "max_turns": 3,  # T_max while training (paper: 3; up to 10 at test)
         "constrain_tool": True,  # the planner's first token must begin a tool name (agentflow.py)
+        "force_tool": "",  # measurement: every planner action picks this tool (eval.py --force-tool)
+        "code_start": "",  # text every Python_Coder input must begin with ("print(" for a 135M model)
         "memory_budget_chars": 1200,  # cap on the rendered memory block
         "result_chars": 400,  # cap on one tool result in memory
         # Sampling per module. The planner is the policy: temperature > 0, no truncation,
@@ -165,3 +167,6 @@ def _check_combinations(cfg: dict) -> None:
         raise ConfigError("agent.max_turns and eval.max_turns must be >= 1")
     if not a["tools"]:
         raise ConfigError("agent.tools must name at least one tool")
+    if a["force_tool"] and a["force_tool"] not in a["tools"]:
+        raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, which is not in agent.tools "
+                          f"({', '.join(a['tools'])}); name one of those or leave it empty")

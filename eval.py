@@ -1,7 +1,7 @@
 """Evaluation: run the agent on a benchmark file, score every item, summarise.
 
     python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
-                   [--limit N] [--max-turns T] [--out DIR] [--model PATH]
+                   [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
 analyses of tool usage and tool-call errors. Differences from the official code: an
@@ -145,11 +145,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-turns", type=int, default=0, help="turn budget (0 = eval.max_turns of the config)")
     ap.add_argument("--batch-size", type=int, default=0, help="trajectories in lockstep (0 = config)")
     ap.add_argument("--model", default=None, help="a trained planner checkpoint (default: the config's model)")
+    ap.add_argument("--force-tool", default="", help="every planner action picks this tool: what "
+                    "each tool choice is worth (the README's table)")
     ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + ([f"agent.force_tool={args.force_tool}"]
+                                                         if args.force_tool else []))
         items = load_benchmark(args.benchmark, limit=args.limit or None)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

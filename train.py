@@ -176,14 +176,33 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
 
 
 def draw_queries(items: list, step: int, Q: int, seed: int) -> list:
-    """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded shuffles of the data."""
+    """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded, stratified shuffles.
+
+    Stratified: each epoch shuffles every task kind (item.meta["task"]) on its own and
+    interleaves the kinds in proportion, so any Q consecutive queries hold each kind in
+    about its share of the data. With plain shuffling and Q = 8, one step can draw six
+    arithmetic queries and no lookup; the update then pushes every question towards
+    one tool and the next step swings back (we saw this on the default run). Data
+    without a task field is one kind, i.e. a plain shuffle. A resumed run draws the same
+    stream: it depends only on (seed, position)."""
     out = []
     for k in range(step * Q, step * Q + Q):
         epoch, pos = divmod(k, len(items))
-        order = list(range(len(items)))
-        random.Random(seed * 7919 + epoch).shuffle(order)
-        out.append(items[order[pos]])
+        out.append(items[_epoch_order(items, seed, epoch)[pos]])
     return out
+
+
+def _epoch_order(items: list, seed: int, epoch: int) -> list[int]:
+    rng = random.Random(seed * 7919 + epoch)
+    by_kind: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        by_kind.setdefault(getattr(it, "meta", {}).get("task", ""), []).append(i)
+    keyed = []  # (place in [0, 1) within its kind's shuffled list, item index)
+    for kind in sorted(by_kind):
+        idx = by_kind[kind]
+        rng.shuffle(idx)
+        keyed += [((j + rng.random()) / len(idx), i) for j, i in enumerate(idx)]
+    return [i for _, i in sorted(keyed)]
 
 
 def select_trainable(model, train_layers: int) -> list:

@@ -87,3 +87,21 @@ def test_tool_failures_become_error_results(tiny_llm):
     tools = build_tools(["Python_Coder"], {"python_timeout_s": 3.0})
     res = tools["Python_Coder"].run("print(1/0)")
     assert not res.ok and "ZeroDivisionError" in res.error
+
+
+def test_force_tool_and_code_start(tiny_llm):
+    """force_tool (eval.py --force-tool) makes every planner action begin with that tool,
+    and code_start is the fixed start of every Python_Coder input, so it is part of the
+    command that runs. A random tiny model would otherwise pick any tool and any code."""
+    agent = make_agent(tiny_llm, max_turns=2, force_tool="Python_Coder", code_start="print(")
+    forced = tiny_llm.tok.encode(" Python_Coder", add_special_tokens=False)[0]
+    assert agent.planner_first_tokens == (forced,)
+    trajs = agent.rollout(["Compute 48213 * 9127.", "When was Velmora founded?"], seed=5)
+    records = [r for tr in trajs for r in tr.memory.records]
+    assert records and all(r.tool == "Python_Coder" for r in records)
+    assert all(t.action_ids[0] == forced and t.logprobs[0] == 0.0 for tr in trajs for t in tr.turns)
+    assert all(r.command.startswith("print(") for r in records)
+    # Other tools' inputs are not touched by code_start.
+    agent = make_agent(tiny_llm, max_turns=1, force_tool="Local_Search", code_start="print(")
+    rec = agent.rollout(["When was Velmora founded?"], seed=5)[0].memory.records[0]
+    assert rec.tool == "Local_Search" and not rec.command.startswith("print(")

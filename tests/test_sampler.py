@@ -151,3 +151,32 @@ def test_finished_rows_cost_nothing(tiny_llm):
 
 def test_empty_batch(tiny_llm):
     assert tiny_llm.sample([], SamplingParams()) == []
+
+
+def test_roomy_cache_equals_dynamic_cache(tiny_llm):
+    """The sampler's in-place cache gives the same logits as Hugging Face's DynamicCache
+    through a shared prefix (repeat), growth past its capacity, and dropped rows."""
+    from transformers import DynamicCache
+
+    from agentflow import prefill, roomy_cache
+
+    model = tiny_llm.model
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (i + 1) for i in range(4)]  # shared prefix of 9
+    outs = []
+    for cache in (DynamicCache(), roomy_cache()):
+        with torch.no_grad():
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, max_prefix=8)
+            steps = [logits[:, -1]]
+            tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+            for step in range(40):  # 40 > the first capacity (2 x the prefill length): it grows
+                if step == 10:  # drop rows 1 and 3
+                    keep = torch.tensor([0, 2])
+                    cache.batch_select_indices(keep)
+                    tok, mask, pos = tok[keep], mask[keep], pos[keep]
+                mask = torch.cat([mask, torch.ones_like(pos)], -1)
+                out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+                steps.append(out.logits[:, -1])
+                tok, pos = out.logits[:, -1].argmax(-1), pos + 1
+        outs.append(steps)
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

@@ -97,6 +97,23 @@ def test_data_order_is_a_function_of_seed_and_step():
     assert first != [draw_queries(items, s, 4, seed=1) for s in range(5)]
 
 
+def test_draws_are_stratified_by_task_kind():
+    """Every step's Q queries hold each kind in about its share of the data (here 40/40/20
+    percent of 100 items, Q = 10: 4/4/2, give or take one), and an epoch still covers
+    every item exactly once."""
+    from bench_data import Item
+
+    items = [Item(id=f"{k}{i}", question=f"{k} {i}", gold=["1"], kind="number", meta={"task": k})
+             for k, n in (("a", 40), ("b", 40), ("c", 20)) for i in range(n)]
+    epoch = []
+    for step in range(10):
+        draw = draw_queries(items, step, 10, seed=3)
+        counts = {k: sum(it.meta["task"] == k for it in draw) for k in "abc"}
+        assert abs(counts["a"] - 4) <= 1 and abs(counts["b"] - 4) <= 1 and abs(counts["c"] - 2) <= 1, counts
+        epoch += draw
+    assert sorted(it.id for it in epoch) == sorted(it.id for it in items)
+
+
 @pytest.mark.parametrize("override, words", [
     ("train.lrr=1", ["train.lrr", "allowed", "lr"]),
     ("train.lr=fast", ["train.lr", "float"]),
@@ -104,6 +121,7 @@ def test_data_order_is_a_function_of_seed_and_step():
     ("agent.planner.top_p=0.9", ["agent.planner", "top_p"]),
     ("model.device=tpu", ["model.device", "cpu"]),
     ("steps", ["key=value"]),
+    ("agent.force_tool=Wikipedia_Search", ["agent.force_tool", "Python_Coder"]),
 ])
 def test_bad_config_names_the_key_and_the_fix(override, words):
     with pytest.raises(ConfigError) as e:
