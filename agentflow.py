@@ -130,6 +130,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()  # generation ends once the decoded text contains one of these
     first_tokens: tuple[int, ...] = ()  # if set, the first token is drawn from these ids only
+    first_temperature: float = 0.0  # temperature of the first token alone; 0 = `temperature`
 
 
 class LLM:
@@ -179,6 +180,8 @@ class LLM:
         same quantity). For greedy decoding (T = 0) it is log softmax(logits)[id].
         With `first_tokens`, the first position is a softmax over those ids alone (the
         other logits set to -inf), and its logprob is under that restricted softmax.
+        With `first_temperature`, the first token is drawn (and its logprob taken) at that
+        temperature instead: the planner's tool choice explores more than its text.
         Same prompts, params and seed give the same tokens.
         """
         n = len(prompts)
@@ -200,10 +203,11 @@ class LLM:
         new_lp: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
         eos = torch.tensor(self.eos_ids, device=dev)
+        first = replace(params, temperature=params.first_temperature) if params.first_temperature > 0 else params
         for step in range(params.max_new_tokens):
             if step == 0 and params.first_tokens:
                 logits = restrict(logits, params.first_tokens)
-            tok, lp = _pick(logits, params, gen)  # [b], [b]
+            tok, lp = _pick(logits, first if step == 0 else params, gen)  # [b], [b]
             tok_l, lp_l, live_l = tok.tolist(), lp.tolist(), live.tolist()
             keep = []
             is_eos = torch.isin(tok, eos).tolist()

@@ -33,7 +33,11 @@ DEFAULTS = {
         "result_chars": 400,  # cap on one tool result in memory
         # Sampling per module. The planner is the policy: temperature > 0, no truncation,
         # so the sampler's log-probs are exactly what the loss recomputes.
-        "planner": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 40},
+        # first_temperature: the temperature of the planner's first token, which with
+        # constrain_tool is the tool choice (0 = temperature). Above 1 it explores tools
+        # the initial model rarely picks; the loss scores that token at the same
+        # temperature, so training stays on-policy, and greedy evaluation ignores it.
+        "planner": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 40, "first_temperature": 0.0},
         "executor": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 96},
         "verifier": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 1},  # a forced STOP / CONTINUE token
         "generator": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 32},
@@ -69,6 +73,9 @@ DEFAULTS = {
         "batch_size": 32,  # trajectories run in lockstep
         "max_turns": 3,
         "seed": 1234,  # the same seed before and after training: a fair comparison
+        # The planner's temperature in evaluation. 0 = greedy: the tool the policy finds
+        # most likely, so before vs after measures what training changed, not sampling luck.
+        "planner_temperature": 0.0,
     },
     "judge": {
         "llm": False,  # also ask an LLM judge when the rules say wrong (off: rules only)
@@ -153,6 +160,8 @@ def _check_combinations(cfg: dict) -> None:
         raise ConfigError("agent.planner must sample with temperature > 0, top_p = 1.0 and top_k = 0: "
                           "the loss scores actions under softmax(logits / temperature), which is the "
                           "sampling distribution only without truncation")
+    if planner["first_temperature"] < 0:
+        raise ConfigError("agent.planner.first_temperature must be >= 0 (0 = the same as temperature)")
     for key in ("steps", "queries_per_step", "group_size", "epochs", "minibatches", "micro_batch"):
         if t[key] < 1:
             raise ConfigError(f"config key 'train.{key}' must be >= 1, got {t[key]}")

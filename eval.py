@@ -14,10 +14,12 @@ id is already in results.jsonl are skipped, so an interrupted evaluation loses n
 """
 
 import argparse
+import copy
 import json
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -33,9 +35,16 @@ def score_item(item: Item, answer: str) -> dict:
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
-             seed: int = 0, desc: str = "eval") -> dict:
+             seed: int = 0, planner_temperature: float | None = None, desc: str = "eval") -> dict:
     """Run `agent` (an agentflow.AgentSystem) on `items` in lockstep batches; write and
-    return the summary. Every batch is appended to results.jsonl as soon as it is done."""
+    return the summary. Every batch is appended to results.jsonl as soon as it is done.
+
+    planner_temperature: if given, the planner samples at this temperature here instead
+    of its training one; 0 = greedy, the policy's most likely action (config eval.*)."""
+    if planner_temperature is not None:
+        agent = copy.copy(agent)  # the same modules and tools, other planner sampling
+        agent.planner_params = replace(agent.planner_params, temperature=planner_temperature,
+                                       first_temperature=0.0)  # the tool choice too
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
@@ -161,7 +170,8 @@ def main(argv=None) -> int:
     agent = build_agent(cfg, args.model)
     t0 = time.time()
     summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],
-                       max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"])
+                       max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"],
+                       planner_temperature=cfg["eval"]["planner_temperature"])
     print(json.dumps(summary, indent=2))
     print(f"accuracy {summary['accuracy']:.3f} on {summary['n']} items in {time.time() - t0:.0f}s; "
           f"results in {out}/results.jsonl")

@@ -99,7 +99,7 @@ def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
 
 
 def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
-                   first_tokens: tuple[int, ...] = ()):
+                   first_tokens: tuple[int, ...] = (), first_temperature: float = 0.0):
     """log pi(a_ij | prompt, a_i<j) / T for every action token of every row.
 
     Returns (logp [R, A], logits [R, A, V], mask [R, A]) where A = the longest action;
@@ -109,7 +109,8 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
     (agentflow.prefill: shared prefix once, left-padded suffixes), so only action
     positions need logits.
     With `first_tokens` (the planner's tool constraint), each action's first token is
-    scored under the softmax over those ids alone, as the sampler drew it.
+    scored under the softmax over those ids alone, as the sampler drew it; with
+    `first_temperature`, at that temperature (the sampler's SamplingParams field).
     """
     dev = next(model.parameters()).device
     seqs = [r.prompt_ids + r.action_ids for r in rows]
@@ -128,7 +129,9 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
     if first_tokens:
         r = torch.arange(len(rows), device=dev)  # [R]
         c = torch.tensor([A - len(row.action_ids) for row in rows], device=dev)  # [R] first action column
-        first = logits[r, c]  # [R, V]
+        first = logits[r, c]  # [R, V]  (already / T)
+        if first_temperature > 0:
+            first = first * (temperature / first_temperature)  # z / T_first
         allowed = torch.tensor(first_tokens, device=dev)
         # log p(a_0) = z[a_0] - logsumexp(z[allowed])
         lp0 = first.gather(-1, targets[r, c][:, None])[:, 0] - torch.logsumexp(first[:, allowed], -1)  # [R]
@@ -169,7 +172,8 @@ def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, eps_low: flo
 
 def accumulate_gradients(model, ref_model, rows: list[TurnRow], *, temperature: float, pad_id: int,
                          eps_low: float, eps_high: float, beta: float, micro_batch: int = 16,
-                         scale: float = 1.0, autocast_dtype=None, first_tokens: tuple[int, ...] = ()) -> dict:
+                         scale: float = 1.0, autocast_dtype=None, first_tokens: tuple[int, ...] = (),
+                         first_temperature: float = 0.0) -> dict:
     """Backward of `scale` * (-J) over `rows`, in micro-batches of `micro_batch` rows.
 
     Gradients add up in .grad. Since every token weight was fixed over the whole batch
@@ -180,9 +184,10 @@ def accumulate_gradients(model, ref_model, rows: list[TurnRow], *, temperature: 
     for k in range(0, len(rows), micro_batch):
         chunk = rows[k:k + micro_batch]
         with torch.autocast(dev.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            logp, logits, mask = token_logprobs(model, chunk, temperature, pad_id, first_tokens)  # [R, A]
+            logp, logits, mask = token_logprobs(model, chunk, temperature, pad_id, first_tokens,
+                                                first_temperature)  # [R, A]
             with torch.no_grad():
-                ref_logp = (token_logprobs(ref_model, chunk, temperature, pad_id, first_tokens)[0]
+                ref_logp = (token_logprobs(ref_model, chunk, temperature, pad_id, first_tokens, first_temperature)[0]
                             if beta else logp.detach())  # [R, A]
         old = _pad_left([r.old_logprobs for r in chunk], mask.shape[1], dev)  # [R, A]
         adv = torch.tensor([r.advantage for r in chunk], device=dev)  # [R]

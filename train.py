@@ -91,7 +91,8 @@ def run(cfg: dict) -> dict:
 
     def held_out_eval(step: int) -> dict:
         return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
-                        max_turns=e["max_turns"], seed=e["seed"], desc=f"held-out eval @ step {step}")
+                        max_turns=e["max_turns"], seed=e["seed"], planner_temperature=e["planner_temperature"],
+                        desc=f"held-out eval @ step {step}")
 
     before = held_out_eval(0) if t["eval_before_after"] else None
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step")
@@ -155,6 +156,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
                             temperature=cfg["agent"]["planner"]["temperature"], pad_id=agent.planner.pad_id,
                             eps_low=t["eps_low"], eps_high=t["eps_high"], beta=t["beta"],
                             micro_batch=t["micro_batch"], first_tokens=agent.planner_first_tokens,
+                            first_temperature=agent.planner_params.first_temperature,
                             autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
     t3 = time.time()
 

@@ -2,6 +2,7 @@
 is recorded, malformed outputs become recorded errors, and the ids the trainer needs
 are exactly what the sampler produced."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -105,3 +106,25 @@ def test_force_tool_and_code_start(tiny_llm):
     agent = make_agent(tiny_llm, max_turns=1, force_tool="Local_Search", code_start="print(")
     rec = agent.rollout(["When was Velmora founded?"], seed=5)[0].memory.records[0]
     assert rec.tool == "Local_Search" and not rec.command.startswith("print(")
+
+
+def test_greedy_planner_evaluation_does_not_depend_on_the_seed(tiny_llm, tmp_path):
+    """eval.planner_temperature = 0: every module is greedy, so the evaluation is a
+    function of the weights alone (what before-vs-after should compare); the training
+    temperature samples, so another seed gives other actions."""
+    from bench_data import Item
+    from eval import evaluate
+
+    agent = make_agent(tiny_llm, max_turns=1)
+    items = [Item(id=str(i), question=q, gold=["1"], kind="number", meta={"task": "t"})
+             for i, q in enumerate(["Compute 48213 * 9127.", "When was Velmora founded?", "Hi", "What is 2+2?"])]
+
+    def planner_outputs(seed, temperature):
+        out = tmp_path / f"{seed}_{temperature}"
+        evaluate(agent, items, out, batch_size=4, max_turns=1, seed=seed, planner_temperature=temperature)
+        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        return [[e["output"] for e in r["trajectory"]["log"] if e["module"] == "planner"] for r in rows]
+
+    assert planner_outputs(1, 0.0) == planner_outputs(2, 0.0)
+    assert planner_outputs(1, None) != planner_outputs(2, None)
+    assert agent.planner_params.temperature == 1.0  # evaluation did not change the agent

@@ -14,7 +14,7 @@ from memory import Memory
 EPS_LO, EPS_HI, TEMP = 0.2, 0.3, 0.8
 
 
-def make_trajectories(llm: LLM, n_groups=2, G=3, seed=0, first_tokens=()):
+def make_trajectories(llm: LLM, n_groups=2, G=3, seed=0, first_tokens=(), first_temperature=0.0):
     """Real sampled actions on varied prompts; trajectories have 1-3 turns."""
     rnd = random.Random(seed)
     trajs = []
@@ -23,7 +23,8 @@ def make_trajectories(llm: LLM, n_groups=2, G=3, seed=0, first_tokens=()):
         for t in range(rnd.randint(1, 3)):
             prompt = llm.chat_ids("Plan the step.", f"Question {q // G}: " + "word " * rnd.randint(1, 12), "Tool:")
             s = llm.sample([prompt], SamplingParams(TEMP, max_new_tokens=rnd.randint(2, 7),
-                                                     first_tokens=first_tokens), seed=seed * 100 + q * 10 + t)[0]
+                                                     first_tokens=first_tokens, first_temperature=first_temperature),
+                           seed=seed * 100 + q * 10 + t)[0]
             tr.turns.append(PlannerTurn(prompt, s.ids, s.logprobs, s.text))
         trajs.append(tr)
     return trajs
@@ -234,11 +235,17 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
 def test_trainer_logprobs_equal_sampler_logprobs(tiny_llm):
     allowed = tuple(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
                     for n in ("Python_Coder", "Local_Search", "Base_Generator"))
-    for first in ((), allowed):
-        trajs = make_trajectories(tiny_llm, 2, 3, seed=6, first_tokens=first)
+    # plain; the tool restriction; the restriction with its own temperature (config.yaml's
+    # exploration of tools): the first token's logprob changes, and both sides agree.
+    for first, t_first in (((), 0.0), (allowed, 0.0), (allowed, 2.5)):
+        trajs = make_trajectories(tiny_llm, 2, 3, seed=6, first_tokens=first, first_temperature=t_first)
         rows = build_rows(trajs, [0.0] * len(trajs))
         with torch.no_grad():
-            logp, _, mask = token_logprobs(tiny_llm.model, rows, TEMP, tiny_llm.pad_id, first)
+            logp, _, mask = token_logprobs(tiny_llm.model, rows, TEMP, tiny_llm.pad_id, first, t_first)
+            plain = token_logprobs(tiny_llm.model, rows, TEMP, tiny_llm.pad_id, first)[0]
         for i, r in enumerate(rows):
             got = logp[i, mask.shape[1] - len(r.action_ids):].tolist()
             assert max(abs(a - b) for a, b in zip(got, r.old_logprobs)) < 1e-4
+        first_col = [mask.shape[1] - len(r.action_ids) for r in rows]
+        moved = max(abs(logp[i, c] - plain[i, c]).item() for i, c in enumerate(first_col))
+        assert (moved > 1e-3) == (t_first > 0)
