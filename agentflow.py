@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache, DynamicLayer
 
-from memory import Memory
+from memory import EMPTY, Memory
 from tools import Tool, run_tool_calls
 
 # ----------------------------------------------------------------------------------------
@@ -404,25 +404,32 @@ Memory of earlier steps:
 Step {turn} of at most {max_turns}. What is the next step?"""
 
 # The executor sees one worked example per tool of the toolset (all in the shared system
-# prompt, so the sampler runs them once per batch), then the question, what is known so
-# far, the planner's sub-goal and the chosen tool. Its reply is forced to start with the
-# tool's prefix and ends at the tool's stop string: code ends at the closing fence, a
-# query or a URL at the end of its line.
+# prompt, so the sampler runs them once per batch), each laid out exactly like its own
+# prompt: the planner's sub-goal, what is known so far, the question, the chosen tool.
+# The question comes last on purpose: a 135M executor copies what it read most recently,
+# and a sampled sub-goal can be noise ("Sure, the previous"), while the question always
+# names the entity to search for or the numbers to compute with. Its reply is forced to
+# start with the tool's prefix and ends at the tool's stop string: code ends at the
+# closing fence, a query or a URL at the end of its line.
 EXECUTOR_SYSTEM = """You write the input for a tool, nothing else. Examples:
+
 {examples}"""
-EXECUTOR_USER = """Question: {query}
+EXECUTOR_USER = """Sub-goal: {sub_goal}
 Known so far:
 {memory}
-Sub-goal: {sub_goal}
+Question: {query}
 Tool: {tool}"""
-EXECUTOR_FORMAT = {  # tool -> (reply prefix, stop strings, example question, example input)
-    "Python_Coder": ("```python\n", ("```",), "What is 1234 * 56 + 7?", "print(1234 * 56 + 7)\n```"),
-    "Local_Search": ("Query:", ("\n",), "When was the town of Arvel founded?", " Arvel founded"),
-    "Wikipedia_Search": ("Query:", ("\n",), "Who wrote Hamlet?", " Hamlet"),
-    "Google_Search": ("Query:", ("\n",), "Who won the 2018 World Cup?", " 2018 World Cup winner"),
+EXECUTOR_FORMAT = {  # tool -> (reply prefix, stop strings, example question, example sub-goal, example input)
+    "Python_Coder": ("```python\n", ("```",), "What is 1234 * 56 + 7?", "compute the expression",
+                     "print(1234 * 56 + 7)\n```"),
+    "Local_Search": ("Query:", ("\n",), "When was the town of Arvel founded?", "find when Arvel was founded",
+                     " Arvel founded"),
+    "Wikipedia_Search": ("Query:", ("\n",), "Who wrote Hamlet?", "find the author of Hamlet", " Hamlet"),
+    "Google_Search": ("Query:", ("\n",), "Who won the 2018 World Cup?", "find the 2018 winner",
+                      " 2018 World Cup winner"),
     "Web_Search": ("Input:", ("\n",), "How tall is the tower on https://example.org/tower ?",
-                   " https://example.org/tower How tall is the tower?"),
-    "Base_Generator": ("Answer:", ("\n\n",), "What is the capital of France?", " Paris"),
+                   "read the page about the tower", " https://example.org/tower How tall is the tower?"),
+    "Base_Generator": ("Answer:", ("\n\n",), "What is the capital of France?", "name the capital", " Paris"),
 }
 
 # The verifier's reply is one forced choice between two words (see
@@ -455,10 +462,10 @@ GENERATOR_USER = """Question: {query}
 Memory:
 {memory}"""
 
-def executor_format(tool: str) -> tuple[str, tuple[str, ...], str, str]:
-    """(reply prefix, stop strings, example question, example input); a tool we have no
-    example for gets a plain one-line input."""
-    return EXECUTOR_FORMAT.get(tool, ("Input:", ("\n",), "", ""))
+def executor_format(tool: str) -> tuple[str, tuple[str, ...], str, str, str]:
+    """(reply prefix, stop strings, example question, example sub-goal, example input); a
+    tool we have no example for gets a plain one-line input."""
+    return EXECUTOR_FORMAT.get(tool, ("Input:", ("\n",), "", "", ""))
 
 
 # Words a small model uses for a tool when it does not spell the name right.
@@ -587,9 +594,9 @@ class AgentSystem:
                                                 for w in (" STOP", " CONTINUE"))
         self.verifier_params = replace(cfg.verifier, max_new_tokens=1,
                                        first_tokens=(self.stop_token, self.continue_token))
-        self.executor_system = EXECUTOR_SYSTEM.format(examples="\n".join(
-            f"Question: {q}\nTool: {name}\n{prefix}{example}"
-            for name in self.tool_names for prefix, _, q, example in [executor_format(name)] if q))
+        self.executor_system = EXECUTOR_SYSTEM.format(examples="\n\n".join(
+            EXECUTOR_USER.format(sub_goal=goal, memory=EMPTY, query=q, tool=name) + f"\n{prefix}{example}"
+            for name in self.tool_names for prefix, _, q, goal, example in [executor_format(name)] if q))
 
     def rollout(self, queries: list[str], seed: int = 0, max_turns: int | None = None) -> list[Trajectory]:
         """Run every query to a final answer, all trajectories in lockstep.

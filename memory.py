@@ -24,6 +24,9 @@ official code), we render a compact text block and cap it:
 from dataclasses import dataclass, field
 
 
+EMPTY = "(empty: no tool has been used yet)"  # how an empty memory reads in a prompt
+
+
 def cut(text: str, limit: int) -> str:
     """Cut `text` to at most `limit` characters, marking what was removed."""
     text = text.strip()
@@ -72,7 +75,7 @@ class Memory:
     def render(self) -> str:
         """The prompt block for M^t. Drops the oldest turns when over budget."""
         if not self.records:
-            return "(empty: no tool has been used yet)"
+            return EMPTY
         blocks = [r.render() for r in self.records]
         dropped = 0
         # Keep the newest turns whole; drop from the front until the block fits.

@@ -293,16 +293,22 @@ def _mkdir(p: Path) -> Path:
 
 
 def print_learning_table(result: dict) -> None:
+    """The before/after table of learning.json: accuracy, tool shares per task kind,
+    tool-call error rate, mean turns."""
     b, a = result["before"], result["after"]
-    print("\nHeld-out accuracy, frozen planner (before) vs Flow-GRPO planner (after)")
-    print(f"{'':14s}{'before':>10s}{'after':>10s}")
-    print(f"{'overall':14s}{b['accuracy']:10.3f}{a['accuracy']:10.3f}   (n={a['n']})")
-    for kind in sorted(a.get("by_kind", {})):
-        print(f"{kind:14s}{b['by_kind'][kind]['accuracy']:10.3f}{a['by_kind'][kind]['accuracy']:10.3f}")
-    print(f"{'tool errors':14s}{b['tool_error_rate']:10.3f}{a['tool_error_rate']:10.3f}")
-    print(f"{'mean turns':14s}{b['mean_turns']:10.2f}{a['mean_turns']:10.2f}")
-    for name in sorted(set(b["tool_shares"]) | set(a["tool_shares"])):
-        print(f"{'% ' + name:14.14s}{b['tool_shares'].get(name, 0):10.3f}{a['tool_shares'].get(name, 0):10.3f}")
+    blocks = [("overall", b, a)] + [(k, b["by_kind"][k], a["by_kind"][k]) for k in sorted(a.get("by_kind", {}))]
+    print(f"\nHeld-out, frozen planner (before) vs Flow-GRPO planner (after)")
+    print(f"{'':22s}{'n':>4s}{'before':>9s}{'after':>9s}{'change':>9s}")
+    for name, x, y in blocks:
+        print(f"{'accuracy ' + name:22.22s}{y['n']:4d}{x['accuracy']:9.3f}{y['accuracy']:9.3f}"
+              f"{y['accuracy'] - x['accuracy']:+9.3f}")
+    for key, label in (("tool_error_rate", "tool-call errors"), ("mean_turns", "mean turns")):
+        print(f"{label:22s}{'':4s}{b[key]:9.3f}{a[key]:9.3f}{a[key] - b[key]:+9.3f}")
+    print("tool shares, before -> after:")
+    for name, x, y in blocks:
+        tools = sorted(set(x["tool_shares"]) | set(y["tool_shares"]))
+        print(f"  {name:12s}" + "   ".join(f"{t} {x['tool_shares'].get(t, 0):.2f} -> {y['tool_shares'].get(t, 0):.2f}"
+                                          for t in tools))
 
 
 if __name__ == "__main__":
