@@ -141,7 +141,8 @@ class LLM:
     (EOS, a stop string, or the token limit) and are then dropped from the batch and the
     cache, so a finished row costs nothing. Prompts that begin with the same tokens (the
     same module instructions and tool cards, the G copies of one query) share that
-    prefix: it is run once and its keys and values are copied to every row.
+    prefix: it is run once and its keys and values are copied to every row. The cache
+    grows in place (RoomyLayer) instead of being re-concatenated at every step.
     """
 
     def __init__(self, model, tokenizer):

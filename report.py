@@ -448,7 +448,11 @@ def section_run(run: dict) -> str:
             ("advantage mode", t.get("advantage_mode")),
             ("epochs × minibatches per step", f'{t["epochs"]} × {t["minibatches"]}'
              if "epochs" in t and "minibatches" in t else None),
-            ("planner temperature", cfg_get(cfg, "agent.planner.temperature")),
+            ("planner temperature (training)", cfg_get(cfg, "agent.planner.temperature")),
+            ("tool-token temperature (training)", cfg_get(cfg, "agent.planner.first_temperature") or None),
+            ("planner in held-out evaluation", None if cfg_get(cfg, "eval.planner_temperature") is None else
+             "greedy" if cfg_get(cfg, "eval.planner_temperature") == 0 else
+             f'temperature {cfg_get(cfg, "eval.planner_temperature")}'),
             ("toolset K", ", ".join(map(str, cfg_get(cfg, "agent.tools", []) or [])) or None),
             ("trained layers", (t.get("train_layers") or "all") if "train_layers" in t else None)]
     cells = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in rows if v is not None)
@@ -624,7 +628,7 @@ def section_before_after(run: dict) -> str:
                          + note(f"Share of each tool among all tool calls of that kind's items ({esc(how)}). "
                                 "The paper's finding to look for: the trained planner shifts its tool choice per "
                                 "task kind." + (" On the built-in suite the right tools are Python_Coder for "
-                                "arithmetic and Local_Search for lookup and two_step." if set(kinds_all) <=
+                                "arithmetic, Local_Search for lookup, and Local_Search then Python_Coder for two_step." if set(kinds_all) <=
                                 {"all", "arithmetic", "lookup", "two_step"} else "")))
         else:
             parts.append(note("No tool calls recorded in the evaluations."))
@@ -686,7 +690,9 @@ def section_curves(run: dict) -> str:
     figs.append(figure("Reward and accuracy", line_chart(series, "reward / accuracy", y_min=0, y_max=1), (
         "Mean reward R over the step's Q×G rollouts" + (" (= accuracy: the rewards are 0/1)." if same else
         "; accuracy = share of rollouts with R &gt; 0.") + " Open dots: held-out accuracy from eval/step_N "
-        "(step 0 = before training)."
+        "(step 0 = before training). Training rollouts sample, exploring on purpose, while a greedy "
+        "held-out evaluation (eval.planner_temperature = 0) takes the most likely tool: compare each "
+        "series with itself, not with the other."
         + ("" if ho_x else " No held-out points: no eval/step_N yet.")), keys, miss("reward_mean")))
 
     figs.append(figure("Groups with no learning signal", line_chart(

@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
 
 def run(cfg: dict) -> dict:
     """The whole job: build everything, (resume,) evaluate, train, evaluate, report."""
+    started = time.time()
     out = Path(cfg["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -111,6 +112,9 @@ def run(cfg: dict) -> dict:
     result = {"before": before}
     if t["eval_before_after"]:
         result["after"] = held_out_eval(t["steps"])
+        # What reproduces the table; wall_s is this process's time (a resumed run's own part).
+        result["run"] = {"seed": cfg["seed"], "steps": t["steps"], "eval_seed": e["seed"],
+                         "wall_s": round(time.time() - started, 1)}
         (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
         print_learning_table(result)
     print(f"report: {refresh_report(out)}")

@@ -67,6 +67,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
         for key in ("accuracy", "n", "by_kind", "tool_shares", "tool_error_rate"):
             assert key in learning[side]
     assert learning["after"]["n"] == 4 and result["after"] == learning["after"]
+    assert learning["run"]["steps"] == 2 and learning["run"]["wall_s"] > 0
     assert len((out / "trajectories" / "step_1.jsonl").read_text().splitlines()) == 4
     html = (out / "report.html").read_text()
     assert "5. Trajectory browser" in html and "2. Held-out evaluation" in html
