@@ -24,7 +24,7 @@ def tiny_cfg(model_dir, out_dir, *extra):
         f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
         f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "train.queries_per_step=2", "train.group_size=2",
         "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
-        "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "eval.limit=4",
+        "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.generator.temperature=1.0", "eval.limit=4",
         "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0", *extra])
 
 
@@ -32,7 +32,9 @@ def tiny_cfg(model_dir, out_dir, *extra):
 def learnable_reward(monkeypatch):
     """A random model never answers right, so every advantage would be 0 and nothing would
     train. Replace the judge (tested on its own in test_judge.py) by a deterministic
-    reward the random model does earn sometimes: the answer's length is odd."""
+    reward the random model does earn sometimes: the answer's length is odd. (tiny_cfg
+    samples the generator: a random model's greedy answer ignores the memory, so the G
+    rollouts of a query would all get the same reward.)"""
     monkeypatch.setattr(train, "score_item", lambda item, answer: {"correct": len(answer) % 2 == 1})
 
 
@@ -144,7 +146,7 @@ def test_eval_on_official_files_writes_results_and_resumes(tiny_model_dir, tmp_p
     args = ["--benchmark", str(BENCH / f"{name}.json"), "--config", str(ROOT / "config.yaml"),
             "--limit", "3", "--max-turns", "1", "--out", str(out), f"model.name={tiny_model_dir}",
             "model.device=cpu", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}",
-            "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6",
+            "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.generator.temperature=1.0",
             "agent.planner.max_new_tokens=6"]
     assert evaluation.main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
