@@ -13,8 +13,9 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      tokens per row on both sides (plain sampling, temperature 1, no top-p / top-k, EOS
      made impossible), the same chat prompts of different lengths. Wall time includes
      the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
-     >= 150 tokens/s at b64. Then the sampler at b64 once more with Hugging Face's
-     DynamicCache instead of its in-place cache: what that cache saves.
+     >= 150 tokens/s at b64. Then the sampler at b32 once more with the general HF
+     forward for each new token instead of agentflow.decode_step, and at b64 with
+     Hugging Face's DynamicCache instead of its in-place cache: what each saves.
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
      planner's instructions with six tool cards), with the sampler's shared-prefix path
      on and off. Target: >= 5x.
@@ -23,6 +24,12 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
   4. roofline: a large matmul gives the machine's GFLOP/s; a token costs ~2 * n_params
      FLOPs (one multiply-add per weight, attention over short contexts ignored), so
      GFLOP/s / (2 * n_params) is the most tokens/s any engine could reach here.
+     A decode step does not run large matmuls, though: it runs the model's 211 linear
+     layers on a batch of B rows. Timing exactly those (same weights, same shapes, no
+     attention, no norms, no sampling) at B = 32 and 64 gives the tokens/s a decoder
+     made of nothing but these matmuls would reach, and so the largest lead over
+     `generate` a sampler built on them can have: `..._ceiling_b32`. They are timed as
+     the sampler's decode_step computes them (W @ x^T) and as nn.Linear does (x @ W^T).
 
 Figures move with the machine's load: the '#' header says what it was.
 """
@@ -116,6 +123,15 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         out[f"sampler_vs_generate_b{B}"] = t_hf / t_ours
         for k in ("sampler_tokens_per_s", "generate_tokens_per_s", "sampler_vs_generate"):
             show(f"{k}_b{B}", out[f"{k}_b{B}"])
+    # The same sampler with each new token run through the general HF forward instead of
+    # agentflow.decode_step: what writing the decoder out for one position brings. b32.
+    B = 32
+    if no_eos.fast_decode:
+        no_eos.fast_decode = False
+        t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B))
+        no_eos.fast_decode = True
+        show(f"sampler_hf_forward_tokens_per_s_b{B}", B * NEW / t_hf_fwd)
+        show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
     # The sampler's cache grows in place (agentflow.RoomyLayer); Hugging Face's DynamicCache
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
     B, real = max(BATCHES), agentflow.roomy_cache
@@ -206,6 +222,28 @@ def roofline(llm: LLM, args, sampler_b64: float) -> None:
     show("sampler_fraction_of_roofline_b64", sampler_b64 / (gflops / gflop_per_token))
 
 
+def linear_only(llm: LLM, args, generate_b32: float) -> None:
+    """Part 4b: one decode step's linear layers alone, at B = 32 and 64 rows, computed as
+    agentflow.decode_step does (W @ x^T) and as nn.Linear does (x @ W^T)."""
+    linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
+    for B in (32, 64):
+        xs = {k: torch.randn(B, k, device=args.device, dtype=linears[0].weight.dtype)
+              for k in {m.in_features for m in linears}}  # [B, in] per input width
+        with torch.no_grad():
+            for name, fn in (("", agentflow._linear), ("_hf_layout", lambda x, m: m(x))):
+                def step():  # every linear of one decode step: 30 x (q, k, v, o, gate, up, down) + lm_head
+                    for m in linears:
+                        fn(xs[m.in_features], m)  # [B, in] -> [B, out]
+
+                step()  # warm-up
+                t = clock(args.device, lambda: [step() for _ in range(3)]) / 3
+                show(f"linear_only{name}_tokens_per_s_b{B}", B / t)
+                if B == 32 and not name:
+                    show("sampler_vs_generate_ceiling_b32", B / t / generate_b32)
+    print(f"# linear-only: {len(linears)} linear layers per decode step, {linears[0].weight.dtype}; "
+          f"_hf_layout = x @ W^T as nn.Linear computes it")
+
+
 def show(name: str, value: float) -> None:
     print(f"{name}: {value:.3f}" if value < 10 else f"{name}: {value:.1f}", flush=True)
 
@@ -229,6 +267,7 @@ def main() -> None:
     prefix_reuse(llm, questions, args.device)
     rollouts(args, questions)
     roofline(llm, args, tp["sampler_tokens_per_s_b64"])
+    linear_only(llm, args, tp["generate_tokens_per_s_b32"])
     print(f"# total {time.perf_counter() - t0:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -180,3 +180,58 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
         outs.append(steps)
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def tiny_qwen2(vocab_size: int):
+    """A 2-layer random Qwen2: like Llama, plus biases on q, k and v."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # random init leaves the biases at 0: make them count
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
+    """decode_step (the decoder written out for one position) gives the logits of the
+    model's own forward, step after step, on left-padded rows behind a shared prefix."""
+    from agentflow import decode_step, prefill, roomy_cache
+
+    model = tiny_llm.model if arch == "llama" else tiny_qwen2(tiny_llm.model.config.vocab_size)
+    assert model.config.model_type == arch
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (2 * i + 1) for i in range(4)]  # lengths differ
+    caches = {"ours": roomy_cache(), "hf": roomy_cache()}
+    with torch.no_grad():
+        for name, cache in caches.items():
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, max_prefix=8)
+        tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+        for _ in range(6):
+            mask = torch.cat([mask, torch.ones_like(pos)], -1)
+            ours = decode_step(model, tok, pos, mask, caches["ours"])  # [b, V]
+            hf = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=caches["hf"],
+                       use_cache=True).logits[:, -1]  # [b, V]
+            assert torch.allclose(ours, hf, atol=1e-5), (ours - hf).abs().max()
+            tok, pos = hf.argmax(-1), pos + 1
+
+
+def test_sampler_with_and_without_decode_step(tiny_llm):
+    """Models decode_step does not cover use the HF forward in the same loop: both paths
+    sample the same tokens with the same log-probs."""
+    prompts = prompts_for(tiny_llm)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    assert tiny_llm.fast_decode
+    fast = tiny_llm.sample(prompts, params, seed=7)
+    tiny_llm.fast_decode = False
+    try:
+        general = tiny_llm.sample(prompts, params, seed=7)
+    finally:
+        tiny_llm.fast_decode = True
+    for a, b in zip(fast, general):
+        assert a.ids == b.ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
