@@ -384,13 +384,13 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     pays at every step: building a 4-D mask, dispatching attention, wrapping outputs.
     Two things make it faster than the same arithmetic in the HF forward:
       * every linear layer is computed as W @ x^T, not x @ W^T: the same product, but on
-        this CPU the BLAS runs the [out, in] x [in, b] shape 25-40% faster for b = 8-64
+        this CPU the BLAS runs the [out, in] x [in, b] shape 15-30% faster for b = 32-64
         (bench.py, `linear_only_*`), and a decode step is 211 such products;
       * attention groups the query heads by their KV head ([b, kv, g, D] against
         [b, kv, S, D]), so grouped keys and values are read as they are in the cache,
         never repeated per query head.
     Same math as the HF forward, but not the same summation order: log-probs agree to
-    ~1e-5 in fp32 (tests/test_agent.py), greedy tokens are the same.
+    ~1e-5 in fp32 (tests/test_sampler.py), greedy tokens are the same.
     """
     dec = model.model
     b = tok.shape[0]
