@@ -30,7 +30,6 @@ are the weights we update: on-policy, no stale copy), so no extra forward is spe
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from agentflow import prefill
 
@@ -122,7 +121,7 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
         targets[i, A - len(r.action_ids):] = torch.tensor(r.action_ids, device=dev)
     # The logits at position p predict token p+1: the last A+1 positions cover every action.
     # The shared prompt prefix (instructions, tool cards) is computed once for all rows.
-    logits, _ = prefill(model, seqs, pad_id, DynamicCache(), logits_to_keep=A + 1,
+    logits, _ = prefill(model, seqs, pad_id, None, logits_to_keep=A + 1,
                         max_prefix=min(len(r.prompt_ids) for r in rows) - 1)
     logits = logits[:, :-1, :].float() / temperature  # [R, A, V]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [R, A]

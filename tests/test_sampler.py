@@ -149,6 +149,23 @@ def test_finished_rows_cost_nothing(tiny_llm):
     assert eos is not None
 
 
+def test_identical_prompts_are_prefilled_once(tiny_llm):
+    """The G copies of a prompt run through the prefill as one row, then decode as G rows:
+    greedy copies match the unbatched reference, sampled copies draw their own tokens."""
+    a, b = prompts_for(tiny_llm)[1:3]
+    prompts = [a, b, a, a]
+    shapes = []
+    hook = tiny_llm.model.model.embed_tokens.register_forward_hook(lambda m, i, o: shapes.append(i[0].shape))
+    try:
+        sampled = tiny_llm.sample(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), seed=3)
+    finally:
+        hook.remove()
+    prefill = [s for s in shapes if len(s) == 2]  # ids [b, L]: the shared prefix [1, P], the suffixes
+    assert len(prefill) == 2 and prefill[1][0] == 2 and shapes[-1] == (4,), shapes  # 2 unique rows in, 4 out
+    check_against_naive(tiny_llm, prompts, n=6)
+    assert len({tuple(sampled[i].ids) for i in (0, 2, 3)}) > 1  # the copies drew different tokens
+
+
 def test_empty_batch(tiny_llm):
     assert tiny_llm.sample([], SamplingParams()) == []
 
@@ -235,3 +252,91 @@ def test_sampler_with_and_without_decode_step(tiny_llm):
     for a, b in zip(fast, general):
         assert a.ids == b.ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
+    """Inverse-CDF sampling: frequencies over 40k draws match w / sum(w) within 5 sigma,
+    zero weights (top-k / top-p / first-token cuts) are never drawn, and a uniform that
+    rounds up to the total still lands on a token with weight."""
+    from agentflow import draw
+
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])  # unnormalised, zeros inside and at both ends
+    p = w / w.sum()
+    n = 40_000
+    toks = draw(w.expand(n, -1), torch.Generator().manual_seed(0))  # [n] one draw per row
+    freq = torch.bincount(toks, minlength=len(w)).double() / n
+    sigma = (p * (1 - p) / n).sqrt().double()
+    assert ((freq - p.double()).abs() <= 5 * sigma + 1e-12).all(), (freq, p)
+    assert freq[w == 0].sum() == 0
+
+
+def test_draw_edge_uniform_at_the_total(monkeypatch):
+    from agentflow import draw
+
+    w = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 4.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1]))  # u = the row's total
+    assert draw(w, torch.Generator()).tolist() == [2, 4]  # the last index with weight
+
+
+def test_length_groups_is_the_cheapest_split():
+    """The dynamic program against every split of the sorted rows into consecutive runs."""
+    import itertools
+    import random
+
+    from agentflow import length_groups
+
+    def cost(groups, lengths, c):
+        return sum(len(g) * max(lengths[r] for r in g) + c for g in groups)
+
+    rnd = random.Random(0)
+    for trial in range(30):
+        lengths = [rnd.randint(1, 60) for _ in range(rnd.randint(1, 9))]
+        c = rnd.choice([0, 5, 16, 100])
+        groups = length_groups(lengths, c)
+        assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+        order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+        best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (len(order),))], lengths, c)
+                   for k in range(len(order))
+                   for cuts in itertools.combinations(range(1, len(order)), k))
+        assert cost(groups, lengths, c) == best
+    assert length_groups([10, 10, 11]) == [[0, 1, 2]]  # 1 pad is cheaper than a second forward
+    assert len(length_groups([3, 4, 80, 81])) == 2  # 150 pads are not
+
+
+def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch):
+    """Rows of very different lengths run as separate groups behind the shared prefix; the
+    logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
+    of the one left-padded batch."""
+    import agentflow
+    from agentflow import decode_step, length_groups, prefill, roomy_cache
+
+    model = tiny_llm.model
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
+    assert len(length_groups([len(p) - 8 for p in prompts])) == 2
+    one_batch = lambda lengths: [list(range(len(lengths)))]
+    real = torch.tensor([[float(j >= 6 - (len(p) - 8)) for j in range(6)] for p in prompts])  # [5, 6] 1 = a real token
+    assert real.sum() < real.numel()  # the short group (suffixes of 2-4 tokens) has fewer than 6 positions
+    runs = {}
+    for name in ("groups", "one batch"):
+        if name == "one batch":
+            monkeypatch.setattr(agentflow, "length_groups", one_batch)
+        with torch.no_grad():
+            cache = roomy_cache()
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, max_prefix=8)
+            steps, tok, pos = [logits[:, -1]], logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+            for _ in range(5):
+                mask = torch.cat([mask, torch.ones_like(pos)], -1)
+                steps.append(decode_step(model, tok, pos, mask, cache))  # [b, V]
+                tok, pos = steps[-1].argmax(-1), pos + 1
+        model.zero_grad()
+        wide, _ = prefill(model, prompts, tiny_llm.pad_id, None, 6, max_prefix=8)  # [5, 6, V]: the trainer's call
+        wide = wide * real[:, :, None]  # positions left of a row's tokens hold no prediction
+        wide.logsumexp(-1).sum().backward()
+        runs[name] = (steps, wide.detach(), [p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    (a_steps, a_wide, a_grad), (b_steps, b_wide, b_grad) = runs["groups"], runs["one batch"]
+    for a, b in zip(a_steps, b_steps):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert torch.allclose(a_wide, b_wide, atol=1e-5)
+    for a, b in zip(a_grad, b_grad):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
