@@ -361,10 +361,7 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
         P = 0
     suffixes = [s[P:] for s in seqs]
     L = max(len(s) for s in suffixes)
-    mask = torch.zeros((n, P + L), dtype=torch.long, device=dev)  # [n, P+L], 1 = real token
-    mask[:, :P] = 1
-    for i, s in enumerate(suffixes):
-        mask[i, P + L - len(s):] = 1
+    _, mask = _left_padded(suffixes, P, pad_id, dev)  # [n, P+L], 1 = real token
     groups = length_groups([len(s) for s in suffixes])
     work = cache if len(groups) == 1 and cache is not None else DynamicCache()
     if P:
@@ -384,33 +381,38 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
         logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
         kvs.append(sub)
     back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
-    if cache is not None:  # [prefix | group's pads + more pads | suffix]: zeros stand in for the extra pads
+    if cache is not None:
+        def widen(t):  # [c, H, P+L_c, D] -> [c, H, P+L, D]: [prefix | zeros as extra pads | group's pads, suffix]
+            return torch.cat([t[:, :, :P], t.new_zeros(t.shape[0], t.shape[1], P + L - t.shape[2], t.shape[3]),
+                              t[:, :, P:]], dim=2)
         for i in range(len(model.model.layers)):
-            ks, vs = [], []
-            for sub in kvs:
-                k, v = sub.layers[i].keys, sub.layers[i].values  # [c, H, P + L_c, D]
-                gap = P + L - k.shape[2]
-                ks.append(torch.cat([k[:, :, :P], k.new_zeros(k.shape[0], k.shape[1], gap, k.shape[3]), k[:, :, P:]], 2))
-                vs.append(torch.cat([v[:, :, :P], v.new_zeros(v.shape[0], v.shape[1], gap, v.shape[3]), v[:, :, P:]], 2))
-            cache.update(torch.cat(ks)[back], torch.cat(vs)[back], i)  # [n, H, P+L, D]
+            keys = torch.cat([widen(sub.layers[i].keys) for sub in kvs])[back]  # [n, H, P+L, D]
+            values = torch.cat([widen(sub.layers[i].values) for sub in kvs])[back]
+            cache.update(keys, values, i)
     return torch.cat(logits)[back], mask
 
 
 def _run_suffixes(model, suffixes: list[list[int]], P: int, pad_id: int, cache, logits_to_keep: int):
     """Left-padded forward of `suffixes` behind the P positions already in `cache`:
     logits [c, min(logits_to_keep, L), V] for L the longest suffix."""
-    c, dev = len(suffixes), next(model.parameters()).device
-    L = max(len(s) for s in suffixes)
+    ids, mask = _left_padded(suffixes, P, pad_id, next(model.parameters()).device)  # [c, L], [c, P+L]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [c, L] position of each token in its own sequence
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                logits_to_keep=min(logits_to_keep, ids.shape[1]))
+    return out.logits
+
+
+def _left_padded(suffixes: list[list[int]], P: int, pad_id: int, dev):
+    """ids [c, L] of the suffixes left-padded to the longest (L), and the mask [c, P+L]
+    of real tokens behind P prefix positions: [prefix | pads | suffix] per row."""
+    c, L = len(suffixes), max(len(s) for s in suffixes)
     ids = torch.full((c, L), pad_id, dtype=torch.long, device=dev)  # [c, L]
     mask = torch.zeros((c, P + L), dtype=torch.long, device=dev)  # [c, P+L], 1 = real token
     mask[:, :P] = 1
     for i, s in enumerate(suffixes):
         ids[i, L - len(s):] = torch.tensor(s, device=dev)
         mask[i, P + L - len(s):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [c, L] position of each token in its own sequence
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                logits_to_keep=min(logits_to_keep, L))
-    return out.logits
+    return ids, mask
 
 
 # What one more forward costs beyond its tokens, counted in tokens of prefill: reading
@@ -469,7 +471,7 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     pays at every step: building a 4-D mask, dispatching attention, wrapping outputs.
     Two things make it faster than the same arithmetic in the HF forward:
       * every linear layer is computed as W @ x^T, not x @ W^T: the same product, but on
-        this CPU the BLAS runs the [out, in] x [in, b] shape 15-30% faster for b = 32-64
+        this CPU the BLAS runs the [out, in] x [in, b] shape 15-45% faster for b = 32-64
         (bench.py, `linear_only_*`), and a decode step is 211 such products;
       * attention groups the query heads by their KV head ([b, kv, g, D] against
         [b, kv, S, D]), so grouped keys and values are read as they are in the cache,

@@ -1,7 +1,7 @@
 """Benchmark of the engine: how fast the hand-written sampler makes rollouts, and why.
 
-    python bench.py                                  # the full run, 2-core CPU: ~15-20 min
-    python bench.py --quick                          # sequential rollouts on 8, not 32
+    python bench.py                                  # the full run, 2-core CPU: ~15 min
+    python bench.py --quick                          # sequential rollouts on 8, not 32: ~12 min
     python bench.py --device cuda --dtype bfloat16   # the same code on a GPU
     python bench.py --threads 1                      # when another job shares the CPU
 
@@ -13,9 +13,12 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      tokens per row on both sides (plain sampling, temperature 1, no top-p / top-k, EOS
      made impossible), the same chat prompts of different lengths. Wall time includes
      the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
-     >= 150 tokens/s at b64. Then the sampler at b32 once more with the general HF
-     forward for each new token instead of agentflow.decode_step, and at b64 with
-     Hugging Face's DynamicCache instead of its in-place cache: what each saves.
+     >= 150 tokens/s at b64. Then the sampler once more with one of its parts swapped
+     for the generic one, to show what each part saves: the general HF forward for
+     each new token instead of agentflow.decode_step (b32); the prompts prefilled as
+     one left-padded batch instead of in groups of similar length (b32, prefill only);
+     torch.multinomial instead of the inverse-CDF agentflow.draw (b64); Hugging Face's
+     DynamicCache instead of the in-place cache (b64).
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
      planner's instructions with six tool cards), with the sampler's shared-prefix path
      on and off. Target: >= 5x.
@@ -51,6 +54,7 @@ from eval import build_agent
 from tools import TOOL_CLASSES, build_tools
 
 NEW = 64  # new tokens per row in the throughput comparison
+REPEAT = 2  # parts 1 and 2 time each call twice and keep the faster (rollouts: once)
 BATCHES = (1, 8, 32, 64)
 
 # Chat prompts of different lengths for the throughput comparison. The system prompts
@@ -75,15 +79,20 @@ def header(args) -> None:
         print(f"# gpu {torch.cuda.get_device_name()}")
 
 
-def clock(device: str, fn) -> float:
-    """Seconds one call of fn takes; on a GPU, the queued kernels are waited for."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+def clock(device: str, fn, repeat: int = 1) -> float:
+    """Seconds one call of fn takes, the fastest of `repeat` calls (on this VM a single
+    call can run 10-20% slow for no reason of its own); on a GPU, queued kernels are
+    waited for."""
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def read_questions(path: str, n: int) -> list[str]:
@@ -117,11 +126,11 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     generate(llm, prompts[:4], 8)
     out = {}
     # Prefill alone (the prompts and the first token), which both sides pay: part 4b's ceiling.
-    out["prefill_s_b32"] = clock(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)))
+    out["prefill_s_b32"] = clock(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), REPEAT)
     show("prefill_s_b32", out["prefill_s_b32"])
     for B in BATCHES:
-        t_ours = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B))
-        t_hf = clock(device, lambda: generate(llm, prompts[:B], NEW, seed=B))
+        t_ours = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
+        t_hf = clock(device, lambda: generate(llm, prompts[:B], NEW, seed=B), REPEAT)
         out[f"sampler_tokens_per_s_b{B}"] = B * NEW / t_ours
         out[f"generate_tokens_per_s_b{B}"] = B * NEW / t_hf
         out[f"sampler_vs_generate_b{B}"] = t_hf / t_ours
@@ -132,16 +141,36 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     B = 32
     if no_eos.fast_decode:
         no_eos.fast_decode = False
-        t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B))
+        t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
         no_eos.fast_decode = True
         show(f"sampler_hf_forward_tokens_per_s_b{B}", B * NEW / t_hf_fwd)
         show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
+    # Prefill in groups of similar length (agentflow.length_groups) vs one left-padded
+    # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
+    real_groups = agentflow.length_groups
+    agentflow.length_groups = lambda lengths: [list(range(len(lengths)))]
+    try:
+        t_one = clock(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), REPEAT)
+    finally:
+        agentflow.length_groups = real_groups
+    show("prefill_one_batch_s_b32", t_one)
+    show("prefill_groups_speedup_b32", t_one / out["prefill_s_b32"])
+    # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
+    # inverse-CDF agentflow.draw (one uniform per row). Same sampler, b64.
+    B, real_draw = max(BATCHES), agentflow.draw
+    agentflow.draw = lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]
+    try:
+        t_mult = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
+    finally:
+        agentflow.draw = real_draw
+    show(f"sampler_multinomial_tokens_per_s_b{B}", B * NEW / t_mult)
+    show(f"draw_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_mult))
     # The sampler's cache grows in place (agentflow.RoomyLayer); Hugging Face's DynamicCache
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
     B, real = max(BATCHES), agentflow.roomy_cache
     agentflow.roomy_cache = DynamicCache
     try:
-        t_dyn = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B))
+        t_dyn = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     finally:
         agentflow.roomy_cache = real
     show(f"sampler_tokens_per_s_b{B}_dynamic_cache", B * NEW / t_dyn)
@@ -174,8 +203,8 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
 
     llm.sample(prompts[:4], one)  # warm up both paths
     unshared(prompts[:4])
-    t_shared = clock(device, lambda: llm.sample(prompts, one))
-    t_unshared = clock(device, lambda: unshared(prompts))
+    t_shared = clock(device, lambda: llm.sample(prompts, one), REPEAT)
+    t_unshared = clock(device, lambda: unshared(prompts), REPEAT)
     show("prefill_shared_s", t_shared)
     show("prefill_unshared_s", t_unshared)
     show("prefix_reuse_speedup", t_unshared / t_shared)

@@ -105,8 +105,8 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
     row r's action fills the LAST |a_r| columns (mask 1), like its tokens in the
     sequence. Same distribution as the sampler: log_softmax(logits / T) in float32 over
     the full vocabulary. Rows are laid out exactly as the sampler laid them out
-    (agentflow.prefill: shared prefix once, left-padded suffixes), so only action
-    positions need logits.
+    (agentflow.prefill: shared prefix once, left-padded suffixes in groups of similar
+    length), so only action positions need logits.
     With `first_tokens` (the planner's tool constraint), each action's first token is
     scored under the softmax over those ids alone, as the sampler drew it; with
     `first_temperature`, at that temperature (the sampler's SamplingParams field).
