@@ -385,7 +385,7 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
         def widen(t):  # [c, H, P+L_c, D] -> [c, H, P+L, D]: [prefix | zeros as extra pads | group's pads, suffix]
             return torch.cat([t[:, :, :P], t.new_zeros(t.shape[0], t.shape[1], P + L - t.shape[2], t.shape[3]),
                               t[:, :, P:]], dim=2)
-        for i in range(len(model.model.layers)):
+        for i in range(len(kvs[0].layers)):  # one cache layer per decoder layer
             keys = torch.cat([widen(sub.layers[i].keys) for sub in kvs])[back]  # [n, H, P+L, D]
             values = torch.cat([widen(sub.layers[i].values) for sub in kvs])[back]
             cache.update(keys, values, i)

@@ -340,3 +340,21 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch):
     assert torch.allclose(a_wide, b_wide, atol=1e-5)
     for a, b in zip(a_grad, b_grad):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+
+
+def test_a_model_decode_step_does_not_cover(tiny_llm):
+    """GPT-2 (no decode_step, no `model.model`): grouped prefill and the general HF
+    forward in the same loop still equal full recomputation."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from agentflow import length_groups
+
+    torch.manual_seed(0)
+    tok = tiny_llm.tok
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    llm = LLM(GPT2LMHeadModel(cfg).eval(), tok)
+    assert not llm.fast_decode
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
+    assert len(length_groups([len(p) - 8 for p in prompts])) == 2
+    check_against_naive(llm, prompts, n=5)
