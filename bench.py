@@ -43,6 +43,7 @@ import copy
 import json
 import os
 import time
+from unittest.mock import patch
 
 import torch
 from transformers import DynamicCache
@@ -147,32 +148,21 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
     # Prefill in groups of similar length (agentflow.length_groups) vs one left-padded
     # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
-    real_groups = agentflow.length_groups
-    agentflow.length_groups = lambda lengths: [list(range(len(lengths)))]
-    try:
+    with patch.object(agentflow, "length_groups", lambda lengths: [list(range(len(lengths)))]):
         t_one = clock(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), REPEAT)
-    finally:
-        agentflow.length_groups = real_groups
     show("prefill_one_batch_s_b32", t_one)
     show("prefill_groups_speedup_b32", t_one / out["prefill_s_b32"])
     # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
     # inverse-CDF agentflow.draw (one uniform per row). Same sampler, b64.
-    B, real_draw = max(BATCHES), agentflow.draw
-    agentflow.draw = lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]
-    try:
+    B = max(BATCHES)
+    with patch.object(agentflow, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]):
         t_mult = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    finally:
-        agentflow.draw = real_draw
     show(f"sampler_multinomial_tokens_per_s_b{B}", B * NEW / t_mult)
     show(f"draw_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_mult))
     # The sampler's cache grows in place (agentflow.RoomyLayer); Hugging Face's DynamicCache
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
-    B, real = max(BATCHES), agentflow.roomy_cache
-    agentflow.roomy_cache = DynamicCache
-    try:
+    with patch.object(agentflow, "roomy_cache", DynamicCache):
         t_dyn = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    finally:
-        agentflow.roomy_cache = real
     show(f"sampler_tokens_per_s_b{B}_dynamic_cache", B * NEW / t_dyn)
     show("kv_cache_in_place_speedup_b64", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_dyn))
     return out
@@ -192,14 +182,10 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
     print(f"# prefix prompts: 32 x {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{shared} shared")
     one = SamplingParams(max_new_tokens=1)  # prefill + the first token, no decode step
-    real = agentflow._common_prefix_len
 
     def unshared(ps):  # the sampler with its shared-prefix path switched off
-        agentflow._common_prefix_len = lambda prompts: 0
-        try:
+        with patch.object(agentflow, "_common_prefix_len", lambda prompts: 0):
             llm.sample(ps, one)
-        finally:
-            agentflow._common_prefix_len = real
 
     llm.sample(prompts[:4], one)  # warm up both paths
     unshared(prompts[:4])
