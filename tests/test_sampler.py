@@ -172,7 +172,8 @@ def test_empty_batch(tiny_llm):
 
 def test_roomy_cache_equals_dynamic_cache(tiny_llm):
     """The sampler's in-place cache gives the same logits as Hugging Face's DynamicCache
-    through a shared prefix (repeat), growth past its capacity, and dropped rows."""
+    through a shared prefix (repeat), dropped rows (moved down inside the same buffer),
+    and growth past its capacity."""
     from transformers import DynamicCache
 
     from agentflow import prefill, roomy_cache
@@ -186,9 +187,12 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
             steps = [logits[:, -1]]
             tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
             for step in range(40):  # 40 > the first capacity (2 x the prefill length): it grows
-                if step == 10:  # drop rows 1 and 3
-                    keep = torch.tensor([0, 2])
+                if step in (10, 20):  # drop rows 1 and 3, then the first of the two left
+                    keep = torch.tensor([0, 2] if step == 10 else [1])
+                    before = [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
                     cache.batch_select_indices(keep)
+                    if step == 10 and not isinstance(cache, DynamicCache):  # rows moved down in place
+                        assert before == [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
                     tok, mask, pos = tok[keep], mask[keep], pos[keep]
                 mask = torch.cat([mask, torch.ones_like(pos)], -1)
                 out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
@@ -197,6 +201,22 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
         outs.append(steps)
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("b", [1, 3, 64])
+def test_linear_in_row_blocks_equals_nn_linear(b):
+    """decode_step's _linear (W @ x^T, by blocks of output rows for a wide layer such as
+    the lm_head) against nn.Linear, with a bias and a last block that is not full."""
+    from agentflow import ROW_BLOCK, _linear
+
+    torch.manual_seed(0)
+    for out in (40, 5 * ROW_BLOCK + 7):  # one product; blocks
+        lin = torch.nn.Linear(24, out)
+        x = torch.randn(b, 24)
+        with torch.no_grad():
+            ours, ref = _linear(x, lin), lin(x)
+        assert ours.shape == ref.shape == (b, out) and ours.is_contiguous()
+        assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
 
 def tiny_qwen2(vocab_size: int):
