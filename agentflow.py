@@ -206,7 +206,7 @@ class LLM:
         unique = [list(p) for p in first_of]
         # 2. Prefill: shared prefix once, then the suffixes in groups of similar length (see prefill).
         logits, mask = prefill(self.model, unique, self.pad_id, cache, logits_to_keep=1,
-                               max_prefix=min(len(p) for p in unique) - 1)
+                               shareable=[len(p) - 1 for p in unique])
         logits = logits[:, -1, :].float()  # [u, V]
         if len(unique) < n:
             rows = torch.tensor(src, device=dev)  # [n]
@@ -351,84 +351,145 @@ def roomy_cache() -> Cache:
     return Cache(layer_class_to_replicate=RoomyLayer)
 
 
-def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int, max_prefix: int):
-    """Run token sequences as one batch; return (logits [n, logits_to_keep, V], mask [n, P+L]).
+def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int,
+            shareable: list[int]):
+    """Run token sequences as one batch; return (logits [n, logits_to_keep, V], mask [n, S]).
 
-    The longest run of tokens every sequence starts with (capped at `max_prefix`) is run
-    ONCE at batch 1 and its keys/values are copied to every row: module prompts share
-    their instructions and tool cards, and the G rollouts of a query share everything.
-    The rest of each row is left-padded so all rows end in the last column:
-    [prefix | pads | suffix]. Pads are masked out and skipped by the position ids, so
-    each row computes exactly what it would alone. The sampler and the trainer
-    (flow_grpo.token_logprobs) both lay rows out through this one function; it is
-    differentiable, so the trainer's prefix is computed once too.
+    Rows share text, and shared text is computed once (keys and values of a token depend
+    only on the tokens before it). `shareable[r]` is how many leading tokens of row r may
+    be computed with other rows: the rest need their own logits (the sampler: the last
+    token; the trainer: the last prompt token and the action). Two levels:
+      * the prefix ALL rows start with (a module's instructions and tool cards) runs once
+        at batch 1: P positions;
+      * a family, rows that share more than that (the G rollouts of a query share the
+        question; the trainer's G actions share their whole prompt), runs its shared part
+        once: the families run together as one left-padded batch behind the prefix;
+    then every row's own rest runs behind its prefix and family part. Each row is laid out
+      [prefix (P) | pads, family part (Lq) | pads, own rest (L)],   S = P + Lq + L,
+    with its tokens in the last columns of each block. Pads are masked out and skipped by
+    the position ids, so each row computes exactly what it would alone. The sampler and
+    the trainer (flow_grpo.token_logprobs) both lay rows out through this one function;
+    it is differentiable, so the trainer's shared text is computed once too.
 
-    Padding is work too: a pad runs through every layer like a token. When the suffixes'
+    Padding is work too: a pad runs through every layer like a token. When the rests'
     lengths differ a lot (a 30-token question beside an 80-token one, an empty memory
     beside a full one), the rows are split into groups of similar length
-    (`length_groups`) and each group runs as its own left-padded batch behind the same
-    prefix; the groups' keys and values are then laid out as if they had run together.
-    `cache` (empty on entry; None if only the logits are wanted) ends up holding every
-    row's keys and values in that layout.
+    (`length_groups`) and each group runs as its own left-padded batch; the groups' keys
+    and values are then laid out as if they had run together. `cache` (empty on entry;
+    None if only the logits are wanted) ends up holding every row's keys and values.
     """
     n, dev = len(seqs), next(model.parameters()).device
-    P = min(_common_prefix_len(seqs), max_prefix) if n > 1 else 0
-    if P < 8:  # too short to be worth a separate forward
+    P = min(_common_prefix_len(seqs), min(shareable)) if n > 1 else 0
+    if P < MIN_SHARED:  # too short to be worth a separate forward
         P = 0
-    suffixes = [s[P:] for s in seqs]
-    L = max(len(s) for s in suffixes)
-    _, mask = _left_padded(suffixes, P, pad_id, dev)  # [n, P+L], 1 = real token
-    groups = length_groups([len(s) for s in suffixes])
-    work = cache if len(groups) == 1 and cache is not None else DynamicCache()
+    families = shared_families(seqs, shareable, P)  # [(rows, q)]: rows share seqs[rows[0]][P:P+q]
+    parts = [seqs[rows[0]][P:P + q] for rows, q in families]  # each family's shared part
+    fam_of, rest = [len(families)] * n, [s[P:] for s in seqs]  # no family: the last "family", empty
+    for f, (rows, q) in enumerate(families):
+        for r in rows:
+            fam_of[r], rest[r] = f, seqs[r][P + q:]
+    Lq = max(map(len, parts), default=0)
+    # Each row's mask over the positions it finds cached: [prefix | its family part].
+    pre_mask = torch.ones((n, P + Lq), dtype=torch.long, device=dev)  # [n, P+Lq], 1 = real token
+    pre_mask[:, P:] = _left_padded(parts + [[]], Lq, pad_id, dev)[1][fam_of]
+    groups = length_groups([len(s) for s in rest])
+
+    work = cache if len(groups) == 1 and not families and cache is not None else DynamicCache()
     if P:
         prefix = torch.tensor([seqs[0][:P]], device=dev)  # [1, P]
         model(input_ids=prefix, cache=work, use_cache=True, logits_to_keep=1)  # work: [1, H, P, D] a layer
-    if len(groups) == 1:
+    if len(groups) == 1 and not families:  # one batch: run it in the caller's cache
         if P:
             work.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
-        return _run_suffixes(model, suffixes, P, pad_id, work, logits_to_keep), mask
-    prefix_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
-    logits, kvs = [], []
+        logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep)
+        return logits, torch.cat([pre_mask, suffix_mask], dim=-1)
+    # Keys and values each row finds before its rest: one entry per family, and a last one
+    # (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D], same).
+    pre_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
+    if families:
+        fam = DynamicCache()
+        for i, (k, v) in enumerate(pre_kv):  # the prefix, copied to every family
+            fam.update(k.expand(len(parts), -1, -1, -1), v.expand(len(parts), -1, -1, -1), i)
+        _run_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, fam, 1)  # [F, H, P+Lq, D] a layer
+        none = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, Lq))  # [1, H, P+Lq, D]: the prefix, then zeros
+        pre_kv = [(torch.cat([l.keys, none(l.keys)]), torch.cat([l.values, none(l.values)])) for l in fam.layers]
+    L = max(len(s) for s in rest)
+    logits, kvs, masks = [], [], []
     for rows in groups:
+        idx = torch.tensor([fam_of[r] for r in rows], device=dev)  # [c] each row's entry in pre_kv
         sub = DynamicCache()
-        for i, (k, v) in enumerate(prefix_kv):  # the prefix, copied to this group's rows
-            sub.update(k.expand(len(rows), -1, -1, -1), v.expand(len(rows), -1, -1, -1), i)
-        part = _run_suffixes(model, [suffixes[r] for r in rows], P, pad_id, sub, logits_to_keep)  # [c, k<=keep, V]
+        for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached
+            sub.update(k[idx] if families else k.expand(len(rows), -1, -1, -1),
+                       v[idx] if families else v.expand(len(rows), -1, -1, -1), i)
+        part, m = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
+                            logits_to_keep)  # [c, k<=keep, V], [c, L_c]
         logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
+        masks.append(F.pad(m, (L - m.shape[1], 0)))  # [c, L]
         kvs.append(sub)
     back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
+    mask = torch.cat([pre_mask, torch.cat(masks)[back]], dim=-1)  # [n, P+Lq+L]
     if cache is not None:
-        def widen(t):  # [c, H, P+L_c, D] -> [c, H, P+L, D]: [prefix | zeros as extra pads | group's pads, suffix]
-            return torch.cat([t[:, :, :P], t.new_zeros(t.shape[0], t.shape[1], P + L - t.shape[2], t.shape[3]),
-                              t[:, :, P:]], dim=2)
+        K, S = P + Lq, mask.shape[1]
+
+        def widen(t):  # [c, H, K+L_c, D] -> [c, H, S, D]: [cached | zeros as extra pads | group's pads, rest]
+            return torch.cat([t[:, :, :K], t.new_zeros(t.shape[0], t.shape[1], S - t.shape[2], t.shape[3]),
+                              t[:, :, K:]], dim=2)
         for i in range(len(kvs[0].layers)):  # one cache layer per decoder layer
-            keys = torch.cat([widen(sub.layers[i].keys) for sub in kvs])[back]  # [n, H, P+L, D]
+            keys = torch.cat([widen(sub.layers[i].keys) for sub in kvs])[back]  # [n, H, S, D]
             values = torch.cat([widen(sub.layers[i].values) for sub in kvs])[back]
             cache.update(keys, values, i)
     return torch.cat(logits)[back], mask
 
 
-def _run_suffixes(model, suffixes: list[list[int]], P: int, pad_id: int, cache, logits_to_keep: int):
-    """Left-padded forward of `suffixes` behind the P positions already in `cache`:
-    logits [c, min(logits_to_keep, L), V] for L the longest suffix."""
-    ids, mask = _left_padded(suffixes, P, pad_id, next(model.parameters()).device)  # [c, L], [c, P+L]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [c, L] position of each token in its own sequence
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int, cache, logits_to_keep: int):
+    """Left-padded forward of `rest` behind the K positions already in `cache` (pre_mask
+    [c, K]: which of them are real tokens): logits [c, min(logits_to_keep, L), V] and the
+    mask [c, L] of the rest, for L the longest."""
+    ids, mask = _left_padded(rest, max(len(s) for s in rest), pad_id, next(model.parameters()).device)  # [c, L] each
+    full = torch.cat([pre_mask, mask], dim=-1)  # [c, K+L]
+    pos = (full.cumsum(-1) - 1).clamp(min=0)[:, pre_mask.shape[1]:]  # [c, L] each token's position in its sequence
+    out = model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True,
                 logits_to_keep=min(logits_to_keep, ids.shape[1]))
-    return out.logits
+    return out.logits, mask
 
 
-def _left_padded(suffixes: list[list[int]], P: int, pad_id: int, dev):
-    """ids [c, L] of the suffixes left-padded to the longest (L), and the mask [c, P+L]
-    of real tokens behind P prefix positions: [prefix | pads | suffix] per row."""
-    c, L = len(suffixes), max(len(s) for s in suffixes)
-    ids = torch.full((c, L), pad_id, dtype=torch.long, device=dev)  # [c, L]
-    mask = torch.zeros((c, P + L), dtype=torch.long, device=dev)  # [c, P+L], 1 = real token
-    mask[:, :P] = 1
-    for i, s in enumerate(suffixes):
-        ids[i, L - len(s):] = torch.tensor(s, device=dev)
-        mask[i, P + L - len(s):] = 1
+def _left_padded(seqs: list[list[int]], L: int, pad_id: int, dev):
+    """ids [c, L] of the sequences left-padded to L, and their mask [c, L] (1 = a token)."""
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=dev)  # [c, L]
+    mask = torch.zeros((len(seqs), L), dtype=torch.long, device=dev)  # [c, L]
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, L - len(s):] = torch.tensor(s, device=dev)
+            mask[i, L - len(s):] = 1
     return ids, mask
+
+
+# Shared text shorter than this runs with each row: a separate forward costs more.
+MIN_SHARED = 8
+
+
+def shared_families(seqs: list[list[int]], shareable: list[int], P: int) -> list[tuple[list[int], int]]:
+    """Rows that share at least MIN_SHARED tokens beyond the common prefix P, as
+    (rows, q): the rows' next q tokens are the same (and within each row's `shareable`).
+
+    Sorted, rows sharing a beginning are neighbours, and a run's shared length only
+    shrinks as it grows; a run grows while it keeps MIN_SHARED tokens in common."""
+    order = sorted(range(len(seqs)), key=lambda r: seqs[r][P:])
+    families, i = [], 0
+    while i < len(order):
+        first, q, j = seqs[order[i]], shareable[order[i]] - P, i + 1
+        while j < len(order):
+            other, k = seqs[order[j]], P
+            while k < min(len(first), len(other)) and first[k] == other[k]:
+                k += 1
+            shared = min(q, k - P, shareable[order[j]] - P)
+            if shared < MIN_SHARED:
+                break
+            q, j = shared, j + 1
+        if j - i > 1:
+            families.append((sorted(order[i:j]), q))
+        i = j
+    return families
 
 
 # What one more forward costs beyond its tokens, counted in tokens of prefill: reading

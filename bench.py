@@ -17,8 +17,10 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      for the generic one, to show what each part saves: the general HF forward for
      each new token instead of agentflow.decode_step (b32); the prompts prefilled as
      one left-padded batch instead of in groups of similar length (b32, prefill only);
-     torch.multinomial instead of the inverse-CDF agentflow.draw (b64); Hugging Face's
-     DynamicCache instead of the in-place cache (b64).
+     torch.multinomial instead of the inverse-CDF agentflow.draw (b64); the lm_head as
+     one product instead of blocks of agentflow.ROW_BLOCK output rows (b64); every
+     row running its whole prompt instead of families sharing their system prompt
+     (b64); Hugging Face's DynamicCache instead of the in-place cache (b64).
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
      planner's instructions with six tool cards), with the sampler's shared-prefix path
      on and off. Target: >= 5x.
@@ -59,8 +61,9 @@ REPEAT = 2  # parts 1 and 2 time each call twice and keep the faster (rollouts: 
 BATCHES = (1, 8, 32, 64)
 
 # Chat prompts of different lengths for the throughput comparison. The system prompts
-# begin differently, so the sampler finds no shared prefix: this part measures the
-# decode loop, not prefix reuse (part 2 does that).
+# begin differently, so the sampler finds no prefix shared by all rows: this part
+# measures the decode loop, not prefix reuse (part 2 does that). Rows with the same
+# system prompt do share its ~17 tokens, which the sampler runs once per family.
 SYSTEMS = [
     "You are a helpful assistant.",
     "Answer in one short sentence.",
@@ -120,8 +123,10 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW)
     prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)])
                for i in range(max(BATCHES))]
+    fams = agentflow.shared_families(prompts, [len(p) - 1 for p in prompts], 0)
     print(f"# throughput prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"shared prefix {agentflow._common_prefix_len(prompts)} tokens (< 8: not reused)")
+          f"shared prefix {agentflow._common_prefix_len(prompts)} tokens (< {agentflow.MIN_SHARED}: not "
+          f"reused); at b64 {len(fams)} families (one per system prompt) share {[q for _, q in fams]} tokens")
     # Warm up each path once (allocator, kernels, lazy init) on a small batch.
     no_eos.sample(prompts[:4], replace_new(params, 8))
     generate(llm, prompts[:4], 8)
@@ -159,6 +164,17 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         t_mult = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     show(f"sampler_multinomial_tokens_per_s_b{B}", B * NEW / t_mult)
     show(f"draw_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_mult))
+    # The vocabulary projection as one [V, h] x [h, b] product instead of blocks of
+    # ROW_BLOCK output rows (agentflow._linear): the same numbers, b64.
+    with patch.object(agentflow, "ROW_BLOCK", 10 ** 9):
+        t_head = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
+    show(f"sampler_lm_head_one_product_tokens_per_s_b{B}", B * NEW / t_head)
+    show(f"lm_head_blocks_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_head))
+    # Each row runs its whole prompt: no families (agentflow.shared_families). b64.
+    with patch.object(agentflow, "shared_families", lambda seqs, shareable, P: []):
+        t_fam = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
+    show(f"sampler_no_families_tokens_per_s_b{B}", B * NEW / t_fam)
+    show(f"families_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_fam))
     # The sampler's cache grows in place (agentflow.RoomyLayer); Hugging Face's DynamicCache
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
     with patch.object(agentflow, "roomy_cache", DynamicCache):
@@ -183,8 +199,9 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
           f"{shared} shared")
     one = SamplingParams(max_new_tokens=1)  # prefill + the first token, no decode step
 
-    def unshared(ps):  # the sampler with its shared-prefix path switched off
-        with patch.object(agentflow, "_common_prefix_len", lambda prompts: 0):
+    def unshared(ps):  # the sampler with its shared-text paths (prefix, families) switched off
+        with patch.object(agentflow, "_common_prefix_len", lambda prompts: 0), \
+                patch.object(agentflow, "shared_families", lambda seqs, shareable, P: []):
             llm.sample(ps, one)
 
     llm.sample(prompts[:4], one)  # warm up both paths

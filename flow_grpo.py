@@ -104,9 +104,10 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
     Returns (logp [R, A], logits [R, A, V], mask [R, A]) where A = the longest action;
     row r's action fills the LAST |a_r| columns (mask 1), like its tokens in the
     sequence. Same distribution as the sampler: log_softmax(logits / T) in float32 over
-    the full vocabulary. Rows are laid out exactly as the sampler laid them out
-    (agentflow.prefill: shared prefix once, left-padded suffixes in groups of similar
-    length), so only action positions need logits.
+    the full vocabulary. Rows run through the sampler's agentflow.prefill: text rows
+    share is computed once (the module's instructions for all rows, the whole prompt for
+    the G actions sampled from it), the rest left-padded in groups of similar length,
+    and only action positions get logits.
     With `first_tokens` (the planner's tool constraint), each action's first token is
     scored under the softmax over those ids alone, as the sampler drew it; with
     `first_temperature`, at that temperature (the sampler's SamplingParams field).
@@ -122,7 +123,7 @@ def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
     # The logits at position p predict token p+1: the last A+1 positions cover every action.
     # The shared prompt prefix (instructions, tool cards) is computed once for all rows.
     logits, _ = prefill(model, seqs, pad_id, None, logits_to_keep=A + 1,
-                        max_prefix=min(len(r.prompt_ids) for r in rows) - 1)
+                        shareable=[len(r.prompt_ids) - 1 for r in rows])
     logits = logits[:, :-1, :].float() / temperature  # [R, A, V]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [R, A]
     if first_tokens:

@@ -183,7 +183,7 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
     outs = []
     for cache in (DynamicCache(), roomy_cache()):
         with torch.no_grad():
-            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, max_prefix=8)
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
             steps = [logits[:, -1]]
             tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
             for step in range(40):  # 40 > the first capacity (2 x the prefill length): it grows
@@ -246,7 +246,7 @@ def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
     caches = {"ours": roomy_cache(), "hf": roomy_cache()}
     with torch.no_grad():
         for name, cache in caches.items():
-            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, max_prefix=8)
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
         tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
         for _ in range(6):
             mask = torch.cat([mask, torch.ones_like(pos)], -1)
@@ -323,43 +323,97 @@ def test_length_groups_is_the_cheapest_split():
     assert len(length_groups([3, 4, 80, 81])) == 2  # 150 pads are not
 
 
-def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch):
-    """Rows of very different lengths run as separate groups behind the shared prefix; the
+BASE = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # the prefix every row of the layout tests shares
+
+
+@pytest.mark.parametrize("families", [False, True])
+def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
+    """Rows of very different lengths run as separate groups behind the shared prefix
+    (and, with `families`, rows that share more run that part once per family); the
     logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
-    of the one left-padded batch."""
+    of the one left-padded batch where each row computes all of its own tokens."""
     import agentflow
-    from agentflow import decode_step, length_groups, prefill, roomy_cache
+    from agentflow import decode_step, length_groups, prefill, roomy_cache, shared_families
 
     model = tiny_llm.model
-    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
-    assert len(length_groups([len(p) - 8 for p in prompts])) == 2
-    one_batch = lambda lengths: [list(range(len(lengths)))]
-    real = torch.tensor([[float(j >= 6 - (len(p) - 8)) for j in range(6)] for p in prompts])  # [5, 6] 1 = a real token
-    assert real.sum() < real.numel()  # the short group (suffixes of 2-4 tokens) has fewer than 6 positions
+    if families:  # rows 0, 1 share 12 more tokens, rows 2, 3 share 10; row 4 shares nothing more
+        heads = [list(range(30, 42))] * 2 + [list(range(50, 60))] * 2 + [[]]
+        shareable = [len(BASE) + len(h) + n - 1 for h, n in zip(heads, [1, 60, 3, 58, 2])]  # all but the last
+    else:
+        heads, shareable = [[]] * 5, [8] * 5
+    prompts = [BASE + h + [20 + i] * n for i, (h, n) in enumerate(zip(heads, [1, 60, 3, 58, 2]))]
+    fams = shared_families(prompts, shareable, min(len(BASE), min(shareable)))
+    assert fams == ([([0, 1], 12), ([2, 3], 10)] if families else [])
+    own = [len(p) - len(BASE) - len(h) for p, h in zip(prompts, heads)]  # tokens each row runs itself
+    if not families:
+        own = [n + 1 for n in own]  # the prefix is capped at 8: the 9th token runs with each row
+    assert len(length_groups(own)) == 2
+    real = torch.tensor([[float(j >= 6 - n) for j in range(6)] for n in own])  # [5, 6] 1 = a computed logit
+    assert real.sum() < real.numel()  # short rows have fewer than 6 own positions
+    tokens = []  # tokens through the model, per run
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
     runs = {}
-    for name in ("groups", "one batch"):
-        if name == "one batch":
-            monkeypatch.setattr(agentflow, "length_groups", one_batch)
-        with torch.no_grad():
-            cache = roomy_cache()
-            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, max_prefix=8)
-            steps, tok, pos = [logits[:, -1]], logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
-            for _ in range(5):
-                mask = torch.cat([mask, torch.ones_like(pos)], -1)
-                steps.append(decode_step(model, tok, pos, mask, cache))  # [b, V]
-                tok, pos = steps[-1].argmax(-1), pos + 1
-        model.zero_grad()
-        wide, _ = prefill(model, prompts, tiny_llm.pad_id, None, 6, max_prefix=8)  # [5, 6, V]: the trainer's call
-        wide = wide * real[:, :, None]  # positions left of a row's tokens hold no prediction
-        wide.logsumexp(-1).sum().backward()
-        runs[name] = (steps, wide.detach(), [p.grad.clone() for p in model.parameters()])
+    try:
+        for name in ("shared", "one batch"):
+            if name == "one batch":
+                monkeypatch.setattr(agentflow, "length_groups", lambda lengths: [list(range(len(lengths)))])
+                monkeypatch.setattr(agentflow, "shared_families", lambda seqs, shareable, P: [])
+            tokens.clear()
+            with torch.no_grad():
+                cache = roomy_cache()
+                logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable)
+                steps, tok, pos = [logits[:, -1]], logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+                for _ in range(5):
+                    mask = torch.cat([mask, torch.ones_like(pos)], -1)
+                    steps.append(decode_step(model, tok, pos, mask, cache))  # [b, V]
+                    tok, pos = steps[-1].argmax(-1), pos + 1
+            prefill_tokens = sum(tokens[:len(tokens) - 5])  # the 5 decode steps ran 5 x 5 tokens
+            model.zero_grad()
+            wide, _ = prefill(model, prompts, tiny_llm.pad_id, None, 6, shareable)  # [5, 6, V]: the trainer's call
+            wide = wide * real[:, :, None]  # positions a row did not compute itself hold no prediction
+            wide.logsumexp(-1).sum().backward()
+            runs[name] = (steps, wide.detach(), [p.grad.clone() for p in model.parameters()], prefill_tokens)
+    finally:
+        hook.remove()
     model.zero_grad()
-    (a_steps, a_wide, a_grad), (b_steps, b_wide, b_grad) = runs["groups"], runs["one batch"]
+    (a_steps, a_wide, a_grad, a_tok), (b_steps, b_wide, b_grad, b_tok) = runs["shared"], runs["one batch"]
+    assert a_tok < b_tok, (a_tok, b_tok)  # pads skipped; with families, shared text run once
     for a, b in zip(a_steps, b_steps):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert torch.allclose(a_wide, b_wide, atol=1e-5)
+    # The gradient sums the same terms in another order (a family's shared keys collect
+    # the gradients of all its rows): float32 noise relative to each tensor's scale (the
+    # embedding's reaches ~15). In float64 each row's gradient agrees to ~1e-18.
     for a, b in zip(a_grad, b_grad):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp(min=1), (a - b).abs().max()
+
+
+def test_sampler_with_families_equals_naive(tiny_llm):
+    """Verifier-like prompts: the G rows of a query share the question, then their
+    memories differ. The sampler runs each question once; greedy tokens and log-probs
+    are those of recomputing every row alone."""
+    from agentflow import _common_prefix_len, shared_families
+
+    q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
+         for m in ("none yet", "Turn 1 found the year 1204.")]
+    fams = shared_families(q, [len(p) - 1 for p in q], _common_prefix_len(q))
+    assert [rows for rows, _ in fams] == [[0, 1], [2, 3]]  # beyond the prefix all four share
+    check_against_naive(tiny_llm, q, n=8)
+
+
+def test_shared_families():
+    """Rows group by what they share beyond the common prefix P, within `shareable`."""
+    from agentflow import MIN_SHARED, shared_families
+
+    q = list(range(100, 100 + MIN_SHARED + 4))  # a question: MIN_SHARED + 4 tokens
+    seqs = [[1] * 10 + q + [7], [1] * 10 + [2] * 30, [1] * 10 + q + [8, 9], [1] * 10 + q + [7, 5]]
+    long = [len(s) - 1 for s in seqs]
+    assert shared_families(seqs, long, 10) == [([0, 2, 3], len(q))]
+    # Rows 0 and 3 share one more token; a family's part is what ALL its rows share.
+    assert shared_families([seqs[0] + [4], seqs[3]], [len(seqs[0]), len(seqs[3]) - 1], 10) == [([0, 1], len(q) + 1)]
+    # `shareable` caps the part: row 0 may share only MIN_SHARED - 1 tokens beyond P: no family.
+    assert shared_families(seqs, [10 + MIN_SHARED - 1] + long[1:], 10) == [([2, 3], len(q))]
+    assert shared_families(seqs, long, 10 + len(q)) == []  # beyond the question nothing is shared
 
 
 def test_a_model_decode_step_does_not_cover(tiny_llm):
