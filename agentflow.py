@@ -143,8 +143,9 @@ class LLM:
     cache, so a finished row costs nothing. Prompts that begin with the same tokens (the
     same module instructions and tool cards) share that prefix: it is run once and its
     keys and values are copied to every row; identical prompts (the G copies of a query
-    at turn one) are run once whole; the rest runs in groups of similar length, so
-    padding costs little. Tokens are drawn by inverse-CDF (`draw`). The cache
+    at turn one) are run once whole; rows that share more than the common prefix (the
+    G copies of a query, later on) run that part once per family; the rest runs in
+    groups of similar length, so padding costs little. Tokens are drawn by inverse-CDF (`draw`). The cache
     grows in place (RoomyLayer) instead of being re-concatenated at every step, and for
     Llama-family models each new token runs through `decode_step`, the decoder written
     out for one position, instead of the general Hugging Face forward.
@@ -204,7 +205,8 @@ class LLM:
         first_of: dict[tuple[int, ...], int] = {}
         src = [first_of.setdefault(tuple(p), len(first_of)) for p in prompts]  # row -> its unique prompt
         unique = [list(p) for p in first_of]
-        # 2. Prefill: shared prefix once, then the suffixes in groups of similar length (see prefill).
+        # 2. Prefill: the prefix all rows share once, text a family of rows shares once per family,
+        #    then each row's rest, in groups of similar length (see prefill).
         logits, mask = prefill(self.model, unique, self.pad_id, cache, logits_to_keep=1,
                                shareable=[len(p) - 1 for p in unique])
         logits = logits[:, -1, :].float()  # [u, V]
