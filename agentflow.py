@@ -145,8 +145,8 @@ class LLM:
     keys and values are copied to every row; identical prompts (the G copies of a query
     at turn one) are run once whole; rows that share more than the common prefix (the
     G copies of a query, later on) run that part once per family; the rest runs in
-    groups of similar length, so padding costs little. Tokens are drawn by inverse-CDF (`draw`). The cache
-    grows in place (RoomyLayer) instead of being re-concatenated at every step, and for
+    groups of similar length, so padding costs little. Tokens are drawn by inverse-CDF
+    (`draw`). The cache grows in place (RoomyLayer) instead of being re-concatenated at every step, and for
     Llama-family models each new token runs through `decode_step`, the decoder written
     out for one position, instead of the general Hugging Face forward.
     """
@@ -282,8 +282,9 @@ class RoomyLayer(DynamicLayer):
     the weights. Here the buffer [b, H, capacity, D] is written in place and attention
     reads a view of its first `length` positions; the capacity doubles when full, so
     growing costs O(1) per token amortised. Dropping finished rows (batch_select_indices)
-    moves the rows behind them down inside the same buffer. Masks and positions are untouched: to the model this
-    is a DynamicLayer whose tensors happen to live inside a bigger buffer.
+    moves the rows behind them down inside the same buffer. Masks and positions are
+    untouched: to the model this is a DynamicLayer whose tensors happen to live inside a
+    bigger buffer.
     """
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -393,7 +394,8 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
     Lq = max(map(len, parts), default=0)
     # Each row's mask over the positions it finds cached: [prefix | its family part].
     pre_mask = torch.ones((n, P + Lq), dtype=torch.long, device=dev)  # [n, P+Lq], 1 = real token
-    pre_mask[:, P:] = _left_padded(parts + [[]], Lq, pad_id, dev)[1][fam_of]
+    fam_masks = _left_padded(parts + [[]], Lq, pad_id, dev)[1]  # [F+1, Lq]; the last: no family, all pads
+    pre_mask[:, P:] = fam_masks[fam_of]  # [n, Lq] each row's family
     groups = length_groups([len(s) for s in rest])
 
     work = cache if len(groups) == 1 and not families and cache is not None else DynamicCache()
@@ -406,7 +408,8 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
         logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep)
         return logits, torch.cat([pre_mask, suffix_mask], dim=-1)
     # Keys and values each row finds before its rest: one entry per family, and a last one
-    # (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D], same).
+    # (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D], same);
+    # without families that is the prefix alone, [1, H, P, D], and every row's entry is 0.
     pre_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
     if families:
         fam = DynamicCache()
@@ -420,9 +423,8 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
     for rows in groups:
         idx = torch.tensor([fam_of[r] for r in rows], device=dev)  # [c] each row's entry in pre_kv
         sub = DynamicCache()
-        for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached
-            sub.update(k[idx] if families else k.expand(len(rows), -1, -1, -1),
-                       v[idx] if families else v.expand(len(rows), -1, -1, -1), i)
+        for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached: [c, H, P+Lq, D]
+            sub.update(k[idx], v[idx], i)
         part, m = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
                             logits_to_keep)  # [c, k<=keep, V], [c, L_c]
         logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]

@@ -194,6 +194,7 @@ def test_first_update_gradient_is_reinforce(policy):
 
 def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(policy):
     llm, _ = policy
+    torch.manual_seed(0)  # the reference's perturbation and the direction: the same whatever ran before
     _, rows = rows_for(llm, [1, 0, 1, 1, 0, 0], seed=5)
     kw = dict(temperature=TEMP, pad_id=llm.pad_id, eps_low=EPS_LO, eps_high=EPS_HI)
     # Policy == reference: the KL term and its gradient vanish; only the policy term remains.
@@ -220,7 +221,7 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
     W = llm.model.model.layers[0].mlp.down_proj.weight
     direction = torch.randn_like(W)
     analytic = float((W.grad * direction).sum())
-    h = 1e-2
+    h = 2e-3  # a step of ~0.2 in Frobenius norm; over seeds 1-5, analytic / numeric was 0.999-1.015
     with torch.no_grad():
         W.add_(h * direction)
         up = kl_value()
