@@ -691,19 +691,6 @@ Known so far:
 {memory}
 Question: {query}
 Tool: {tool}"""
-EXECUTOR_FORMAT = {  # tool -> (reply prefix, stop strings, example question, example sub-goal, example input)
-    "Python_Coder": ("```python\n", ("```",), "What is 1234 * 56 + 7?", "compute the expression",
-                     "print(1234 * 56 + 7)\n```"),
-    "Local_Search": ("Query:", ("\n",), "When was the town of Arvel founded?", "find when Arvel was founded",
-                     " Arvel founded"),
-    "Wikipedia_Search": ("Query:", ("\n",), "Who wrote Hamlet?", "find the author of Hamlet", " Hamlet"),
-    "Google_Search": ("Query:", ("\n",), "Who won the 2018 World Cup?", "find the 2018 winner",
-                      " 2018 World Cup winner"),
-    "Web_Search": ("Input:", ("\n",), "How tall is the tower on https://example.org/tower ?",
-                   "read the page about the tower", " https://example.org/tower How tall is the tower?"),
-    "Base_Generator": ("Answer:", ("\n\n",), "What is the capital of France?", "name the capital", " Paris"),
-}
-
 # The verifier's reply is one forced choice between two words (see
 # AgentSystem.__init__): a 135M model rarely writes a readable verdict freely.
 VERIFIER_SYSTEM = """You check whether the memory already holds the answer to the question.
@@ -734,23 +721,6 @@ GENERATOR_USER = """Question: {query}
 Memory:
 {memory}"""
 
-def executor_format(tool: str) -> tuple[str, tuple[str, ...], str, str, str]:
-    """(reply prefix, stop strings, example question, example sub-goal, example input); a
-    tool we have no example for gets a plain one-line input."""
-    return EXECUTOR_FORMAT.get(tool, ("Input:", ("\n",), "", "", ""))
-
-
-# Words a small model uses for a tool when it does not spell the name right.
-TOOL_ALIASES = {
-    "Python_Coder": ("python", "code", "coder", "calculat", "comput"),
-    "Local_Search": ("local", "search", "retriev", "corpus", "lookup", "look up"),
-    "Wikipedia_Search": ("wiki",),
-    "Google_Search": ("google",),
-    "Web_Search": ("web", "url", "browse"),
-    "Base_Generator": ("base", "generat", "answer", "llm"),
-}
-
-
 @dataclass
 class Plan:
     tool: str  # a name from the toolset, or "" when none could be read
@@ -758,18 +728,18 @@ class Plan:
     error: str  # "" when the reply parsed
 
 
-def parse_plan(text: str, tool_names: list[str]) -> Plan:
+def parse_plan(text: str, tools: dict[str, Tool]) -> Plan:
     """Read "Tool: X / Sub-goal: Y" out of the planner's reply (which began after "Tool:").
 
-    Tolerant: the tool line is matched by exact name first, then by alias; the first
-    tool mentioned wins. A reply naming no tool is an error recorded in memory."""
+    Tolerant: the tool line is matched by exact name first, then by the tool's aliases
+    (tools.py); the first tool mentioned wins. A reply naming no tool is an error
+    recorded in memory."""
     lines = text.strip().splitlines() or [""]
     tool_line = lines[0].lower()
     m = re.search(r"sub[- ]?goal\s*:\s*(.+)", text, flags=re.IGNORECASE)
     sub_goal = m.group(1).strip() if m else " ".join(lines[1:]).strip()
     # Exact names, then aliases, each in the order they appear in the tool line.
-    for table in ({n: (n.lower(),) for n in tool_names},
-                  {n: TOOL_ALIASES.get(n, ()) for n in tool_names}):
+    for table in ({n: (n.lower(),) for n in tools}, {n: t.aliases for n, t in tools.items()}):
         hits = [(tool_line.find(w), n) for n, words in table.items() for w in words if w in tool_line]
         if hits:
             return Plan(tool=min(hits)[1], sub_goal=sub_goal, error="")
@@ -867,8 +837,8 @@ class AgentSystem:
         self.verifier_params = replace(cfg.verifier, max_new_tokens=1,
                                        first_tokens=(self.stop_token, self.continue_token))
         self.executor_system = EXECUTOR_SYSTEM.format(examples="\n\n".join(
-            EXECUTOR_USER.format(sub_goal=goal, memory=EMPTY, query=q, tool=name) + f"\n{prefix}{example}"
-            for name in self.tool_names for prefix, _, q, goal, example in [executor_format(name)] if q))
+            EXECUTOR_USER.format(sub_goal=goal, memory=EMPTY, query=q, tool=t.name) + f"\n{t.input_prefix}{example}"
+            for t in tools.values() if t.example for q, goal, example in [t.example]))
 
     def rollout(self, queries: list[str], seed: int = 0, max_turns: int | None = None) -> list[Trajectory]:
         """Run every query to a final answer, all trajectories in lockstep.
@@ -892,7 +862,7 @@ class AgentSystem:
             for tr, p, smp in zip(live, prompts, samples):
                 tr.turns.append(PlannerTurn(p, smp.ids, smp.logprobs, smp.text))
                 tr.log.append({"module": "planner", "turn": turn, "output": "Tool:" + smp.text})
-                plans.append(parse_plan(smp.text, self.tool_names))
+                plans.append(parse_plan(smp.text, self.tools))
 
             # Executor: the frozen LLM turns each valid plan into a concrete command.
             valid = [i for i, pl in enumerate(plans) if pl.tool]
@@ -938,8 +908,8 @@ class AgentSystem:
             tool = self.tools[plans[i].tool]
             prompts.append(self.frozen.chat_ids(self.executor_system, EXECUTOR_USER.format(
                 query=live[i].query, memory=live[i].memory.render(), tool=tool.name,
-                sub_goal=plans[i].sub_goal or live[i].query), executor_format(tool.name)[0] + starts[i]))
-        stops = [executor_format(plans[i].tool)[1] for i in valid]
+                sub_goal=plans[i].sub_goal or live[i].query), tool.input_prefix + starts[i]))
+        stops = [self.tools[plans[i].tool].input_stops for i in valid]
         commands = {}
         for i, smp in zip(valid, self.frozen.sample(prompts, self.cfg.executor, seed, row_stops=stops)):
             commands[i] = (starts[i] + smp.text).strip()

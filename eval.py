@@ -24,14 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench_data import Item, load_benchmark
-from judge import score
-
-
-def score_item(item: Item, answer: str) -> dict:
-    """R(o, q, y*) for one item: the judge's verdict on the generator's answer."""
-    gold = item.numbers if item.kind == "game24" and item.numbers else item.gold
-    return score(answer, gold, item.kind, item.options)
+from benchmarks import Item, load_benchmark, read_jsonl
+from judge import score_item
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
@@ -75,7 +69,7 @@ def _run_batch(agent, batch: list[Item], max_turns: int, seed: int) -> list[dict
     rows = []
     for it, tr in zip(batch, trajs):
         try:
-            verdict, crash = score_item(it, tr.answer), ""
+            verdict, crash = score_item(tr.answer, it.gold, it.kind, it.options, it.numbers), ""
         except Exception as e:
             verdict, crash = {"correct": False, "f1": 0.0, "extracted": ""}, f"judge crashed: {e}"
         rows.append(_row(it, tr, verdict, crash))
@@ -111,20 +105,6 @@ def summarize(rows: list[dict]) -> dict:
     if tasks:
         summary["by_kind"] = {t: block([r for r in rows if r.get("task") == t]) for t in tasks}
     return summary
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not Path(path).exists():
-        return []
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by an interruption: that item runs again
-                pass
-    return rows
 
 
 def build_agent(cfg: dict, model_path: str | None = None):

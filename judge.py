@@ -526,6 +526,14 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
     return result(ok, f1)
 
 
+def score_item(answer: str, gold: list[str], kind: str, options: list[str] | None = None,
+               numbers: list[int] | None = None) -> dict:
+    """R(o, q, y*) for one benchmark item (benchmarks.Item's fields): the reward of a
+    trajectory and the verdict of an evaluation. A Game-of-24 item is scored against
+    its puzzle numbers, so any valid expression counts, not only the reference one."""
+    return score(answer, numbers if kind == "game24" and numbers else gold, kind, options)
+
+
 # --- optional LLM judge ------------------------------------------------------------
 
 JUDGE_PROMPT = """You are grading an answer to a question.

@@ -27,13 +27,22 @@ from dataclasses import dataclass, field
 EMPTY = "(empty: no tool has been used yet)"  # how an empty memory reads in a prompt
 
 
-def cut(text: str, limit: int) -> str:
-    """Cut `text` to at most `limit` characters, marking what was removed."""
-    text = text.strip()
-    if len(text) <= limit:
+def cut(text: str, limit: int, keep_tail: bool = False, already_cut: int = 0) -> str:
+    """`text` in at most `limit` characters, with a "...[cut N chars]" marker that counts
+    what was removed. The one cutter of the project: memory records, tool outputs and the
+    report all mark missing text the same way.
+
+    keep_tail keeps both ends around the marker (a program prints its answer last);
+    already_cut counts text that was dropped before this call (a stream read in part)."""
+    if len(text) <= limit and not already_cut:
         return text
-    keep = max(0, limit - len(f"...[cut {len(text)} chars]"))  # room left beside the longest marker
-    return text[:keep] + f"...[cut {len(text) - keep} chars]"
+    longest = len(f"...[cut {len(text) + already_cut} chars]")  # the real marker is no longer
+    keep = max(limit - longest, 0)
+    marker = f"...[cut {len(text) - keep + already_cut} chars]"
+    if not keep_tail:
+        return text[:keep] + marker
+    tail = keep // 2
+    return text[:keep - tail] + marker + text[len(text) - tail:]
 
 
 @dataclass
@@ -66,9 +75,9 @@ class Memory:
     def add(self, sub_goal: str, tool: str, command: str, result: str, error: str = "",
             verdict: str = "") -> TurnRecord:
         """f_mem: append this turn's record. Deterministic: no clock, no randomness."""
-        rec = TurnRecord(turn=len(self.records) + 1, sub_goal=cut(sub_goal, 200), tool=tool,
-                         command=cut(command, 300), result=cut(result, self.result_chars),
-                         error=cut(error, 200), verdict=verdict)
+        rec = TurnRecord(turn=len(self.records) + 1, sub_goal=cut(sub_goal.strip(), 200), tool=tool,
+                         command=cut(command.strip(), 300), result=cut(result.strip(), self.result_chars),
+                         error=cut(error.strip(), 200), verdict=verdict)
         self.records.append(rec)
         return rec
 
@@ -85,11 +94,7 @@ class Memory:
         if dropped:
             text = f"[turns 1-{dropped} omitted]\n" + text
         # A single huge turn can still exceed the budget: cut it, visibly.
-        return cut(text, self.budget_chars)
-
-    @property
-    def n_errors(self) -> int:
-        return sum(1 for r in self.records if r.error)
+        return cut(text.strip(), self.budget_chars)
 
 
 def _joined_len(blocks: list[str], dropped: int) -> int:

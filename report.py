@@ -32,13 +32,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benchmarks import read_jsonl
+from memory import cut
+from tools import TOOL_CLASSES
+
 MAX_EMBED_STEPS = 40  # trajectory steps embedded in the browser (evenly spaced, first and last kept)
 MAX_EMBED_CHARS = 8_000_000  # and at most this much embedded JSON: fewer steps if needed
 CAP = {"query": 600, "answer": 400, "sub_goal": 300, "command": 500, "result": 600, "error": 300,
        "planner": 500, "gold": 200}  # characters kept per embedded text field
 TOOL_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#7f7f7f", "#000000"]
-KNOWN_TOOLS = ["Base_Generator", "Python_Coder", "Local_Search", "Wikipedia_Search", "Google_Search",
-               "Web_Search"]  # tools.py's tools: each keeps its colour in every report
+KNOWN_TOOLS = list(TOOL_CLASSES)  # tools.py's tools, in its order: each keeps its colour in every report
 OKABE = {"blue": "#0072B2", "orange": "#E69F00", "green": "#009E73", "pink": "#CC79A7",
          "sky": "#56B4E9", "red": "#D55E00", "grey": "#7f7f7f"}
 
@@ -71,23 +74,6 @@ def _read_json(path: Path):
         return None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
-
-
 def _step_of(name: str) -> int | None:
     """step_12 or step_12.jsonl -> 12."""
     stem = name.split(".")[0]
@@ -115,7 +101,7 @@ def load_run(out: Path) -> dict:
     """Everything the page needs except trajectories, which are read only for the steps
     the browser embeds."""
     metrics = {}
-    for row in _read_jsonl(out / "metrics.jsonl"):
+    for row in read_jsonl(out / "metrics.jsonl"):
         if isinstance(row.get("step"), int):
             row["tool_shares"] = _shares(row.get("tool_shares"))
             metrics[row["step"]] = row  # a resumed run may repeat a step: the last row wins
@@ -125,7 +111,7 @@ def load_run(out: Path) -> dict:
             summary = _summary(_read_json(d / "summary.json")) if d.is_dir() else None
             if summary is None:
                 continue
-            entry = {"summary": summary, "results": _read_jsonl(d / "results.jsonl"), "dir": d.name}
+            entry = {"summary": summary, "results": read_jsonl(d / "results.jsonl"), "dir": d.name}
             step = _step_of(d.name)
             if step is not None:
                 evals[step] = entry  # train.py's held-out evaluations, step 0 = before training
@@ -193,11 +179,9 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def cut(text, limit: int) -> str:
-    text = "" if text is None else str(text)
-    if len(text) <= limit:
-        return text
-    return text[:limit] + f" …[{len(text) - limit} more chars not embedded]"
+def clip(text, limit: int) -> str:
+    """A text field of the run, embedded in at most `limit` characters (memory.cut)."""
+    return cut("" if text is None else str(text), limit)
 
 
 def note(text: str, cls: str = "note") -> str:
@@ -870,7 +854,7 @@ def _clean(v):
 def step_payload(path: Path, metrics_row: dict | None, G: int | None) -> dict:
     """One step's trajectories as query groups of rollouts, text fields capped."""
     groups: dict = {}
-    for k, tr in enumerate(_read_jsonl(path)):
+    for k, tr in enumerate(read_jsonl(path)):
         gid = tr.get("group", k // G if G else 0)
         log, memory = (tr.get(k) if isinstance(tr.get(k), list) else [] for k in ("log", "memory"))
         planner = {e.get("turn"): e.get("output", "") for e in log
@@ -879,16 +863,16 @@ def step_payload(path: Path, metrics_row: dict | None, G: int | None) -> dict:
         turns = []
         for t in sorted(t for t in set(records) | set(planner) if isinstance(t, int)):
             r = records.get(t, {})
-            turns.append({"turn": t, "planner": cut(planner.get(t), CAP["planner"]),
-                          **{f: cut(r.get(f, ""), CAP.get(f, 300)) for f in ("sub_goal", "tool", "command", "result",
+            turns.append({"turn": t, "planner": clip(planner.get(t), CAP["planner"]),
+                          **{f: clip(r.get(f, ""), CAP.get(f, 300)) for f in ("sub_goal", "tool", "command", "result",
                                                                               "error", "verdict")},
                           "recorded": t in records})
         g = groups.setdefault(gid, {"group": gid, "task": tr.get("task", ""),
-                                    "query": cut(tr.get("query"), CAP["query"]),
-                                    "gold": [cut(x, CAP["gold"]) for x in (tr.get("gold") or [])][:10],
+                                    "query": clip(tr.get("query"), CAP["query"]),
+                                    "gold": [clip(x, CAP["gold"]) for x in (tr.get("gold") or [])][:10],
                                     "rollouts": []})
         g["rollouts"].append({"reward": num(tr.get("reward")), "advantage": num(tr.get("advantage")),
-                              "answer": cut(tr.get("answer"), CAP["answer"]), "n_turns": tr.get("n_turns"),
+                              "answer": clip(tr.get("answer"), CAP["answer"]), "n_turns": tr.get("n_turns"),
                               "tools": [str(x) for x in tr.get("tools") or [] if x], "turns": turns})
     keep = ("reward_mean", "zero_variance_groups", "mean_turns", "tool_error_rate", "top_tool", "kl", "entropy")
     return {"groups": list(groups.values()),

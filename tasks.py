@@ -296,11 +296,6 @@ def dump_jsonl(rows, path):
             f.write(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def load_jsonl(path) -> list:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def write(out_dir="data", seed=0):
     """Write corpus.jsonl, train.jsonl and heldout.jsonl into out_dir."""
     os.makedirs(out_dir, exist_ok=True)

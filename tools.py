@@ -58,6 +58,8 @@ from urllib.parse import urlparse
 
 import requests
 
+from memory import cut
+
 DEFAULT_TOOL_CFG = {
     "max_output_chars": 600,      # every tool output is cut to this many characters
     "search_top_k": 3,            # passages / pages / results returned by the search tools
@@ -89,25 +91,17 @@ class ToolError(Exception):
     """A failure with a message fit for the memory (raised inside tools, never out of run)."""
 
 
-def cap_text(text: str, limit: int, keep_tail: bool = False, already_cut: int = 0) -> str:
-    """Cut text to at most `limit` chars, marker included. keep_tail keeps both ends
-    (a program's answer is usually printed last); already_cut counts text dropped earlier."""
-    if len(text) <= limit and not already_cut:
-        return text
-    longest_marker = f" ...[cut {len(text) + already_cut} chars] "  # the real one is no longer
-    keep = max(limit - len(longest_marker), 0)
-    cut = len(text) - keep + already_cut
-    marker = f" ...[cut {cut} chars] "
-    if not keep_tail:
-        return text[:keep] + marker.rstrip()
-    tail = keep // 2
-    return text[:keep - tail] + marker + text[len(text) - tail:]
-
-
 class Tool:
+    """One tool, with every fact the agent's prompts need about it (agentflow.py reads
+    them): its card for the planner, how the executor writes its input, and the words a
+    small planner uses for it when it misspells the name."""
     name = ""
-    card = ""          # read by the planner in every prompt: keep it to a few short lines
-    command_hint = ""  # tells the executor LLM what to write as the command
+    card = ""  # read by the planner in every prompt: keep it to a few short lines
+    input_prefix = "Input:"  # the executor's reply is forced to start with this
+    input_stops: tuple[str, ...] = ("\n",)  # ... and ends at the first of these
+    # The executor's worked example: (question, sub-goal, input written after the prefix).
+    example: tuple[str, str, str] | None = None
+    aliases: tuple[str, ...] = ()  # lower-case words that name this tool in a planner's reply
 
     def __init__(self, cfg: dict | None = None):
         self.cfg = {**DEFAULT_TOOL_CFG, **(cfg or {})}
@@ -115,7 +109,7 @@ class Tool:
 
     def run(self, command: str) -> ToolResult:
         try:
-            return ToolResult(output=cap_text(self._run(command or ""), self.max_chars))
+            return ToolResult(output=cut(self._run(command or ""), self.max_chars))
         except ToolError as e:
             return ToolResult(output="", error=str(e))
         except Exception as e:  # a bug or an odd input must not take the batch down
@@ -131,7 +125,9 @@ class BaseGenerator(Tool):
     name = "Base_Generator"
     card = ("Answers directly from the language model's own knowledge and reasoning.\n"
             "Input: the question. No tools: may be wrong on exact arithmetic and rare facts.")
-    command_hint = "Write the answer to the sub-goal directly, in a few sentences."
+    input_prefix, input_stops = "Answer:", ("\n\n",)
+    example = ("What is the capital of France?", "name the capital", " Paris")
+    aliases = ("base", "generat", "answer", "llm")
 
     def _run(self, command):
         # The executor LLM already answered when it wrote the command; nothing else to do.
@@ -295,7 +291,7 @@ class _HeadTail:
         dropped = self.total - len(self.head) - len(self.tail)
         text = (self.head + self.tail).decode("utf-8", "replace") if not dropped else \
             self.head.decode("utf-8", "replace") + self.tail.decode("utf-8", "replace")
-        return cap_text(text, limit, keep_tail=True, already_cut=dropped)
+        return cut(text, limit, keep_tail=True, already_cut=dropped)
 
 
 def _read_until(proc: subprocess.Popen, deadline: float, out: _HeadTail, err: _HeadTail) -> None:
@@ -318,7 +314,9 @@ class PythonCoder(Tool):
     card = ("Runs a Python program and returns what it prints. Best for exact arithmetic,\n"
             "counting and step-by-step calculation. Input: the calculation to do.\n"
             "Limits: standard library only, no internet, a few seconds of run time.")
-    command_hint = "Write a complete Python program that prints the result."
+    input_prefix, input_stops = "```python\n", ("```",)
+    example = ("What is 1234 * 56 + 7?", "compute the expression", "print(1234 * 56 + 7)\n```")
+    aliases = ("python", "code", "coder", "calculat", "comput")
 
     def _run(self, command):
         code = extract_code(command)
@@ -422,7 +420,9 @@ class LocalSearch(Tool):
     card = ("Searches a local document collection (offline) for facts about the people,\n"
             "places and things it covers. Input: a short keyword query.\n"
             "Returns the best-matching passages; knows nothing outside the collection.")
-    command_hint = "Write a short keyword query."
+    input_prefix, input_stops = "Query:", ("\n",)
+    example = ("When was the town of Arvel founded?", "find when Arvel was founded", " Arvel founded")
+    aliases = ("local", "search", "retriev", "corpus", "lookup", "look up")
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
@@ -456,7 +456,7 @@ class LocalSearch(Tool):
         if not hits:
             raise ToolError(f"no passage matches {command.strip()[:80]!r}")
         per_hit = max(self.max_chars // len(hits) - 1, 40)  # every hit gets its share of the budget
-        return "\n".join(cap_text(f"{self._rows[i]['title']}: {self._rows[i]['text']}", per_hit)
+        return "\n".join(cut(f"{self._rows[i]['title']}: {self._rows[i]['text']}", per_hit)
                          for i, _ in hits)
 
 
@@ -508,7 +508,9 @@ class WikipediaSearch(Tool):
     card = ("Searches Wikipedia and returns the opening paragraphs of the best-matching\n"
             "articles. Good for well-known people, places, events and terms.\n"
             "Input: a short query, ideally an article title.")
-    command_hint = "Write a short search query, ideally the title of a Wikipedia article."
+    input_prefix, input_stops = "Query:", ("\n",)
+    example = ("Who wrote Hamlet?", "find the author of Hamlet", " Hamlet")
+    aliases = ("wiki",)
 
     def _run(self, command):
         query = command.strip()
@@ -529,7 +531,7 @@ class WikipediaSearch(Tool):
         lines = []
         for h in hits:  # in search order; the search snippet stands in for a missing extract
             text = extracts.get(h["title"]) or re.sub("<[^>]+>", "", h.get("snippet", ""))
-            lines.append(cap_text(f"{h['title']}: {text}", per_hit))
+            lines.append(cut(f"{h['title']}: {text}", per_hit))
         return "\n".join(lines)
 
 
@@ -537,7 +539,9 @@ class GoogleSearch(Tool):
     name = "Google_Search"
     card = ("Searches the web with Google; returns titles, short snippets and links.\n"
             "Good for specific or recent facts. Input: a short search query.")
-    command_hint = "Write a short web search query."
+    input_prefix, input_stops = "Query:", ("\n",)
+    example = ("Who won the 2018 World Cup?", "find the 2018 winner", " 2018 World Cup winner")
+    aliases = ("google",)
 
     def _run(self, command):
         query = command.strip()
@@ -556,7 +560,7 @@ class GoogleSearch(Tool):
         lines = []
         for it in items[:k]:  # cut the snippet, not the link: the link is what Web_Search needs next
             title, link, snippet = it.get("title", ""), it.get("link", ""), " ".join(it.get("snippet", "").split())
-            lines.append(f"{title}: {cap_text(snippet, max(per_hit - len(title) - len(link) - 5, 20))} ({link})")
+            lines.append(f"{title}: {cut(snippet, max(per_hit - len(title) - len(link) - 5, 20))} ({link})")
         return "\n".join(lines)
 
 
@@ -597,7 +601,10 @@ class WebSearch(Tool):
     name = "Web_Search"
     card = ("Reads one web page and returns the passages most relevant to a question.\n"
             "Input: a URL and a question. Use it on a link another search returned.")
-    command_hint = "Write the URL, then the question, e.g. https://example.org/page When was it built?"
+    input_prefix, input_stops = "Input:", ("\n",)
+    example = ("How tall is the tower on https://example.org/tower ?", "read the page about the tower",
+               " https://example.org/tower How tall is the tower?")
+    aliases = ("web", "url", "browse")
     CHUNK_WORDS, CHUNK_STRIDE = 80, 60  # 80-word chunks overlapping by 20, so a fact is rarely split
 
     def _run(self, command):
@@ -633,7 +640,7 @@ class WebSearch(Tool):
         k = int(self.cfg["search_top_k"])
         best = [i for i, _ in BM25(chunks).top(question, k)] or list(range(min(k, len(chunks))))
         per_hit = max(self.max_chars // len(best) - 1, 40)
-        return "\n".join(cap_text(chunks[i], per_hit) for i in best)
+        return "\n".join(cut(chunks[i], per_hit) for i in best)
 
 
 # ----------------------------------------------------------------------------- registry and batch calls

@@ -40,10 +40,11 @@ import torch
 from tqdm import tqdm
 
 from agentflow import LLM, AgentSystem, agent_config, load_model
-from bench_data import load_benchmark
+from benchmarks import load_benchmark
 from config import ConfigError, load_config
-from eval import evaluate, score_item
+from eval import evaluate
 from flow_grpo import build_rows, group_advantages, policy_update, zero_variance_groups
+from judge import score_item
 from report import write_report
 from tools import build_tools
 
@@ -143,7 +144,8 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
 
     # 3. Judge: R_i in {0, 1} from the final answer alone.
     for k, tr in enumerate(trajs):
-        tr.reward = float(score_item(queries[k // G], tr.answer)["correct"])
+        it = queries[k // G]
+        tr.reward = float(score_item(tr.answer, it.gold, it.kind, it.options, it.numbers)["correct"])
     rewards = [tr.reward for tr in trajs]
     t2 = time.time()
 

@@ -12,6 +12,7 @@ from tools import build_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["Base_Generator", "Python_Coder", "Local_Search"]
+TOOLS = build_tools(NAMES)
 
 
 def make_agent(tiny_llm, **cfg) -> AgentSystem:
@@ -23,14 +24,14 @@ def make_agent(tiny_llm, **cfg) -> AgentSystem:
 
 
 def test_parse_plan_is_tolerant():
-    assert parse_plan(" Python_Coder\nSub-goal: multiply", NAMES) == parse_plan(" python_coder\nsub goal: multiply", NAMES)
-    p = parse_plan(" Local_Search\nSub-goal: find the year", NAMES)
+    assert parse_plan(" Python_Coder\nSub-goal: multiply", TOOLS) == parse_plan(" python_coder\nsub goal: multiply", TOOLS)
+    p = parse_plan(" Local_Search\nSub-goal: find the year", TOOLS)
     assert (p.tool, p.sub_goal, p.error) == ("Local_Search", "find the year", "")
-    assert parse_plan(" I would run some python code", NAMES).tool == "Python_Coder"  # alias
-    assert parse_plan(" search then code", NAMES).tool == "Local_Search"  # first mentioned wins
-    bad = parse_plan(" banana\nSub-goal: ?", NAMES)
+    assert parse_plan(" I would run some python code", TOOLS).tool == "Python_Coder"  # alias
+    assert parse_plan(" search then code", TOOLS).tool == "Local_Search"  # first mentioned wins
+    bad = parse_plan(" banana\nSub-goal: ?", TOOLS)
     assert bad.tool == "" and "no known tool" in bad.error
-    assert parse_plan("", NAMES).error
+    assert parse_plan("", TOOLS).error
 
 
 def test_loop_runs_every_stage_and_records_it(tiny_llm):
@@ -112,7 +113,7 @@ def test_greedy_planner_evaluation_does_not_depend_on_the_seed(tiny_llm, tmp_pat
     """eval.planner_temperature = 0: every module is greedy, so the evaluation is a
     function of the weights alone (what before-vs-after should compare); the training
     temperature samples, so another seed gives other actions."""
-    from bench_data import Item
+    from benchmarks import Item
     from eval import evaluate
 
     agent = make_agent(tiny_llm, max_turns=1)

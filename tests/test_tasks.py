@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tasks  # noqa: E402
+from benchmarks import read_jsonl  # noqa: E402
 
 DATA = ROOT / "data"
 FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl"]
@@ -24,7 +25,7 @@ FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl"]
 
 @pytest.fixture(scope="module")
 def data():
-    return {name[: -len(".jsonl")]: tasks.load_jsonl(DATA / name) for name in FILES}
+    return {name[: -len(".jsonl")]: read_jsonl(DATA / name, strict=True) for name in FILES}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tools  # noqa: E402
-from tools import BM25, ToolResult, build_tools, cap_text, extract_code, run_tool_calls  # noqa: E402
+from memory import cut
+from tools import BM25, ToolResult, build_tools, extract_code, run_tool_calls  # noqa: E402
 
 AS_ROOT = os.geteuid() == 0
 root_only = pytest.mark.skipif(not AS_ROOT, reason="only root can run the program under its own uid")
@@ -214,7 +215,7 @@ def test_run_tool_calls_is_concurrent_and_keeps_order():
     assert run_tool_calls([]) == []
 
 
-# ----------------------------------------------------------------------------- extract_code, cap_text
+# ----------------------------------------------------------------------------- extract_code, cut
 
 @pytest.mark.parametrize("reply, code", [
     ("```python\nprint(1)\n```", "print(1)\n"),
@@ -231,11 +232,11 @@ def test_extract_code(reply, code):
     assert extract_code(reply) == code
 
 
-def test_cap_text():
-    assert cap_text("short", 10) == "short"
-    capped = cap_text("x" * 1000, 100)
-    assert len(capped) <= 100 and capped.endswith("...[cut 921 chars]") and capped.startswith("x" * 50)
-    both = cap_text("A" * 500 + "B" * 500, 100, keep_tail=True)
+def test_cut_for_tool_output():
+    assert cut("short", 10) == "short"
+    capped = cut("x" * 1000, 100)
+    assert len(capped) <= 100 and capped.endswith("...[cut 919 chars]") and capped.startswith("x" * 50)
+    both = cut("A" * 500 + "B" * 500, 100, keep_tail=True)
     assert len(both) <= 100 and both.startswith("A") and both.endswith("B") and "...[cut " in both
 
 
@@ -302,7 +303,8 @@ def test_build_tools_and_cards():
     with pytest.raises(ValueError, match="python_timeout"):
         build_tools(["Python_Coder"], {"pyton_timeout_s": 3})
     for cls in tools.TOOL_CLASSES.values():  # a 135M model reads every card in every prompt
-        assert 2 <= len(cls.card.splitlines()) <= 4 and len(cls.card) <= 300 and cls.command_hint
+        assert 2 <= len(cls.card.splitlines()) <= 4 and len(cls.card) <= 300
+        assert cls.input_prefix and cls.input_stops and cls.example and cls.aliases  # agentflow.py's prompts
 
 
 def test_base_generator():

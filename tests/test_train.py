@@ -35,7 +35,7 @@ def learnable_reward(monkeypatch):
     reward the random model does earn sometimes: the answer's length is odd. (tiny_cfg
     samples the generator: a random model's greedy answer ignores the memory, so the G
     rollouts of a query would all get the same reward.)"""
-    monkeypatch.setattr(train, "score_item", lambda item, answer: {"correct": len(answer) % 2 == 1})
+    monkeypatch.setattr(train, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1})
 
 
 def weights(path):
@@ -104,7 +104,7 @@ def test_draws_are_stratified_by_task_kind():
     """Every step's Q queries hold each kind in about its share of the data (here 40/40/20
     percent of 100 items, Q = 10: 4/4/2, give or take one), and an epoch still covers
     every item exactly once."""
-    from bench_data import Item
+    from benchmarks import Item
 
     items = [Item(id=f"{k}{i}", question=f"{k} {i}", gold=["1"], kind="number", meta={"task": k})
              for k, n in (("a", 40), ("b", 40), ("c", 20)) for i in range(n)]

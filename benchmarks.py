@@ -62,20 +62,42 @@ class Item:
     meta: dict = field(default_factory=dict)  # every other field of the row, plus source and row
 
 
+def read_jsonl(path, strict: bool = False) -> list[dict]:
+    """The JSON objects of a .jsonl file, one per line (blank lines skipped); the one
+    JSONL reader of the project.
+
+    strict, for data files: a missing file or a line that is not a JSON object is an
+    error that names the line. Not strict, for the files a run writes, which an
+    interrupted run can leave cut mid-line: a missing file reads as empty, a bad line
+    is skipped (eval.py then runs that item again)."""
+    path = Path(path)
+    if not path.exists():
+        if strict:
+            raise FileNotFoundError(f"file not found: {path}")
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if strict:
+                raise ValueError(f"{path}: line {n} is not valid JSON: {e}") from None
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        elif strict:
+            raise ValueError(f"{path}: line {n} is a {type(row).__name__}, expected a JSON object")
+    return rows
+
+
 def _read_rows(path: Path) -> list:
     """The raw rows of a .json (a list, or a dict wrapping one) or .jsonl file."""
     if not path.exists():
         raise FileNotFoundError(f"benchmark file not found: {path}")
     if path.suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n} is not valid JSON: {e}") from None
-        return rows
+        return read_jsonl(path, strict=True)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

@@ -1,4 +1,4 @@
-"""Tests for bench_data.py: the eight official benchmark files and our JSONL tasks
+"""Tests for benchmarks.py: the eight official benchmark files and our JSONL tasks
 load into uniform Items whose gold answers the judge accepts.
 
 The real files live next to the repository (../shared/benchmarks); the tests that
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_data import Item, load_benchmark  # noqa: E402
+from benchmarks import Item, load_benchmark  # noqa: E402
 from judge import check_game24, score  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
