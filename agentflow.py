@@ -38,10 +38,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
 
+import speedups
 from memory import EMPTY, Memory
 from tools import Tool, run_tool_calls
 
@@ -123,15 +122,19 @@ class Sample:
     finish: str  # "eos", "stop" or "length"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 64
+    """How one module samples. For the planner this is also exactly what the loss scores
+    (flow_grpo.token_logprobs takes the same object), so the two cannot disagree."""
+    temperature: float  # 0 = greedy
+    max_new_tokens: int
     stop: tuple[str, ...] = ()  # generation ends once the decoded text contains one of these
     first_tokens: tuple[int, ...] = ()  # if set, the first token is drawn from these ids only
     first_temperature: float = 0.0  # temperature of the first token alone; 0 = `temperature`
+
+    def temperature_at(self, j: int) -> float:
+        """The temperature of the action's j-th token (0-based)."""
+        return self.first_temperature if j == 0 and self.first_temperature > 0 else self.temperature
 
 
 class LLM:
@@ -141,25 +144,26 @@ class LLM:
     then one forward per new token for the rows still running. Rows finish on their own
     (EOS, a stop string, or the token limit) and are then dropped from the batch and the
     cache, so a finished row costs nothing. Prompts that begin with the same tokens (the
-    same module instructions and tool cards) share that prefix: it is run once and its
-    keys and values are copied to every row; identical prompts (the G copies of a query
-    at turn one) are run once whole; rows that share more than the common prefix (the
-    G copies of a query, later on) run that part once per family; the rest runs in
-    groups of similar length, so padding costs little. Tokens are drawn by inverse-CDF
-    (`draw`). The cache grows in place (RoomyLayer) instead of being re-concatenated at every step, and for
-    Llama-family models each new token runs through `decode_step`, the decoder written
-    out for one position, instead of the general Hugging Face forward.
+    same module instructions and tool cards) share that prefix: it runs once and its
+    keys and values are copied to every row.
+
+    That is the plain path, written out below (`prefill`, `decode`, `pick`). With
+    fast=True (the default) the same loop runs on speedups.py: more shared text run
+    once, an in-place cache, a written-out decode step and a cheaper draw. Both give the
+    same greedy tokens and log-probs (tests/test_sampler.py); sampled tokens differ
+    because the draw uses the random stream differently.
     """
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, fast: bool = True):
         self.model, self.tok = model, tokenizer
         eos = {tokenizer.eos_token_id}
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
         self.eos_ids = sorted(i for i in eos if i is not None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.fast_decode = (model.config.model_type in DECODE_STEP_MODELS  # else the Hugging Face forward
-                            and not getattr(model.config, "use_sliding_window", False))
+        self.fast = fast
+        # One new token per row: speedups.decode_step where this machine runs it faster.
+        self.decode = (speedups.choose_decode(model) if fast else None) or decode
 
     @property
     def device(self):
@@ -182,16 +186,12 @@ class LLM:
         `row_stops`, if given, replaces params.stop with one tuple of stop strings per row
         (one batched executor call serves tools whose commands end differently).
 
-        Log-probs: for temperature T > 0 each logprob is log softmax(logits / T)[id] over
-        the FULL vocabulary, i.e. top-k / top-p truncation is not reflected (training
-        therefore runs the planner with top_k=0, top_p=1, where this is exactly the
-        distribution the token was drawn from, and flow_grpo.token_logprobs computes the
-        same quantity). For greedy decoding (T = 0) it is log softmax(logits)[id].
-        With `first_tokens`, the first position is a softmax over those ids alone (the
-        other logits set to -inf), and its logprob is under that restricted softmax.
-        With `first_temperature`, the first token is drawn (and its logprob taken) at that
-        temperature instead: the planner's tool choice explores more than its text.
-        Same prompts, params and seed give the same tokens.
+        Log-probs: token j is drawn from softmax(logits / T_j) over the full vocabulary,
+        T_j = params.temperature_at(j), and its logprob is log softmax(logits / T_j)[id]:
+        exactly the quantity flow_grpo.token_logprobs recomputes. For greedy decoding
+        (T = 0) it is log softmax(logits)[id]. With `first_tokens`, the first position is
+        a softmax over those ids alone (the other logits set to -inf), and its logprob is
+        under that restricted softmax. Same prompts, params and seed give the same tokens.
         """
         n = len(prompts)
         if n == 0:
@@ -199,34 +199,27 @@ class LLM:
         stops = row_stops or [params.stop] * n
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
-        cache = roomy_cache()
-        # 1. Identical prompts (the G rollouts of a query at turn one) are prefilled once;
-        #    their rows are copied afterwards and then draw their own tokens.
-        first_of: dict[tuple[int, ...], int] = {}
-        src = [first_of.setdefault(tuple(p), len(first_of)) for p in prompts]  # row -> its unique prompt
-        unique = [list(p) for p in first_of]
-        # 2. Prefill: the prefix all rows share once, text a family of rows shares once per family,
-        #    then each row's rest, in groups of similar length (see prefill).
-        logits, mask = prefill(self.model, unique, self.pad_id, cache, logits_to_keep=1,
-                               shareable=[len(p) - 1 for p in unique])
-        logits = logits[:, -1, :].float()  # [u, V]
-        if len(unique) < n:
-            rows = torch.tensor(src, device=dev)  # [n]
-            cache.batch_select_indices(rows)  # [u, H, S, D] -> [n, H, S, D] in every layer
-            logits, mask = logits[rows], mask[rows]  # [n, V], [n, S]
+        # 1. Prefill: every prompt's keys and values into the cache, and the logits that
+        #    predict each row's first new token.
+        if self.fast:
+            logits, mask, cache = speedups.prefill_prompts(self.model, prompts, self.pad_id)
+        else:
+            cache = DynamicCache()
+            logits, mask = prefill(self.model, prompts, self.pad_id, cache)
+        logits = logits.float()  # [n, V]
         next_pos = mask.sum(-1, keepdim=True)  # [n, 1] position of the next token
 
-        # 3. Decode. `live` maps the rows of the shrinking batch to the original prompts.
+        # 2. Decode. `live` maps the rows of the shrinking batch to the original prompts.
         live = torch.arange(n, device=dev)
         new_ids: list[list[int]] = [[] for _ in range(n)]
         new_lp: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
         eos = torch.tensor(self.eos_ids, device=dev)
-        first = replace(params, temperature=params.first_temperature) if params.first_temperature > 0 else params
         for step in range(params.max_new_tokens):
             if step == 0 and params.first_tokens:
                 logits = restrict(logits, params.first_tokens)
-            tok, lp = _pick(logits, first if step == 0 else params, gen)  # [b], [b]
+            tok, lp = pick(logits, params.temperature_at(step), gen,
+                           speedups.draw if self.fast else multinomial)  # [b], [b]
             tok_l, lp_l, live_l = tok.tolist(), lp.tolist(), live.tolist()
             keep = []
             is_eos = torch.isin(tok, eos).tolist()
@@ -246,12 +239,7 @@ class LLM:
                 cache.batch_select_indices(idx)
                 live, tok, mask, next_pos = live[idx], tok[idx], mask[idx], next_pos[idx]
             mask = torch.cat([mask, torch.ones_like(next_pos)], dim=-1)  # [b, len+1]
-            if self.fast_decode:
-                logits = decode_step(self.model, tok, next_pos, mask, cache).float()  # [b, V]
-            else:
-                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                                 cache=cache, use_cache=True)
-                logits = out.logits[:, -1, :].float()  # [b, V]
+            logits = self.decode(self.model, tok, next_pos, mask, cache).float()  # [b, V]
             next_pos = next_pos + 1
 
         return [Sample(ids=new_ids[i], logprobs=new_lp[i], text=self._text(new_ids[i], stops[i]),
@@ -269,347 +257,39 @@ class LLM:
                 text = text[: text.index(s)]
         return text
 
-    def generate_texts(self, prompts: list[list[int]], params: SamplingParams, seed: int = 0) -> list[str]:
-        return [s.text for s in self.sample(prompts, params, seed)]
+
+def prefill(model, prompts: list[list[int]], pad_id: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompts into `cache`; return (logits [n, V] at each prompt's last token,
+    mask [n, S]: 1 where the cache holds a real token).
+
+    The P tokens every prompt starts with (a module's instructions and tool cards) run
+    once at batch 1 and their keys and values are copied to every row: a token's keys
+    and values depend only on the tokens before it. Each prompt's rest then runs as one
+    left-padded batch behind that prefix. Left padding puts every row's last token in
+    the last column, so the next token of every row goes in the same new column; pads
+    are masked out and skipped by the position ids, so each row computes exactly what it
+    would alone. (speedups.prefill shares more and pads less; the result is the same.)"""
+    n, dev = len(prompts), next(model.parameters()).device
+    P = min(speedups.common_prefix_len(prompts), min(map(len, prompts)) - 1) if n > 1 else 0  # the last
+    if P:                                                          # token must run with its row: its logits
+        model(input_ids=torch.tensor([prompts[0][:P]], device=dev), cache=cache, use_cache=True,
+              logits_to_keep=1)  # cache: [1, H, P, D] a layer
+        cache.batch_repeat_interleave(n)  # [n, H, P, D]
+    rest = [p[P:] for p in prompts]
+    ids, rest_mask = speedups.left_padded(rest, max(map(len, rest)), pad_id, dev)  # [n, L] each
+    mask = torch.cat([torch.ones((n, P), dtype=torch.long, device=dev), rest_mask], dim=-1)  # [n, P+L]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [n, L] each token's position in its own sequence
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1], mask  # [n, V], [n, P+L]
 
 
-class RoomyLayer(DynamicLayer):
-    """One layer's keys and values in a buffer with room to grow (the sampler's cache).
-
-    Hugging Face's DynamicLayer appends each new token with torch.cat, which copies the
-    WHOLE cache of every layer at every decode step: at batch 64 and 170 cached tokens
-    that is ~500 MB of copying per step for SmolLM2, as much memory traffic as reading
-    the weights. Here the buffer [b, H, capacity, D] is written in place and attention
-    reads a view of its first `length` positions; the capacity doubles when full, so
-    growing costs O(1) per token amortised. Dropping finished rows (batch_select_indices)
-    moves the rows behind them down inside the same buffer. Masks and positions are
-    untouched: to the model this is a DynamicLayer whose tensors happen to live inside a
-    bigger buffer.
-    """
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.length, self.k_buf, self.v_buf = 0, None, None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, s = self.length, key_states.shape[-2]
-        if self.k_buf is None:  # first call (the prefill): room for as many new positions again
-            b, H, _, D = key_states.shape
-            self.k_buf = key_states.new_empty((b, H, 2 * s, D))
-            self.v_buf = value_states.new_empty((b, H, 2 * s, value_states.shape[-1]))
-        elif n + s > self.k_buf.shape[-2]:
-            self._move(2 * (n + s))
-        self.k_buf[:, :, n:n + s] = key_states  # [b, H, s, D] into the free slots
-        self.v_buf[:, :, n:n + s] = value_states
-        self.length = n + s
-        self._views()
-        return self.keys, self.values  # [b, H, n+s, D] views, no copy
-
-    def _views(self) -> None:
-        self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
-
-    def _move(self, capacity: int, rows: torch.Tensor | None = None) -> None:
-        """Copy the cached positions (of `rows` only, if given) into new buffers."""
-        k, v = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
-        if rows is not None:
-            k, v = k[rows], v[rows]
-        self.k_buf = k.new_empty((k.shape[0], k.shape[1], capacity, k.shape[3]))
-        self.v_buf = v.new_empty((v.shape[0], v.shape[1], capacity, v.shape[3]))
-        self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length] = k, v
-        self._views()
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def batch_repeat_interleave(self, repeats: int) -> None:  # the shared prefix -> every row
-        if self.get_seq_length() > 0:
-            rows = torch.arange(self.k_buf.shape[0], device=self.k_buf.device).repeat_interleave(repeats)
-            self._move(self.k_buf.shape[-2], rows)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:  # drop finished rows, copy duplicates
-        if self.get_seq_length() == 0:
-            return
-        keep = indices.tolist()
-        if any(a >= b for a, b in zip(keep, keep[1:])):  # not a subset in order: new buffers
-            self._move(self.k_buf.shape[-2], indices)
-            return
-        # Dropping finished rows: keep[j] >= j, so row keep[j] moves down to slot j in place.
-        # Rows before the first dropped one stay where they are; only the rest is copied,
-        # and no new buffer is allocated (first touching a fresh few-hundred-MB buffer
-        # costs more than the copy itself).
-        first = next((j for j, r in enumerate(keep) if r != j), len(keep))
-        n = self.length
-        if first < len(keep):
-            src = indices[first:]  # [m - first] rows that move down
-            self.k_buf[first:len(keep), :, :n] = self.k_buf[src, :, :n]
-            self.v_buf[first:len(keep), :, :n] = self.v_buf[src, :, :n]
-        self.k_buf, self.v_buf = self.k_buf[:len(keep)], self.v_buf[:len(keep)]
-        self._views()
-
-
-def roomy_cache() -> Cache:
-    """A cache for the sampler whose layers grow in place (RoomyLayer)."""
-    return Cache(layer_class_to_replicate=RoomyLayer)
-
-
-def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int,
-            shareable: list[int]):
-    """Run token sequences as one batch; return (logits [n, logits_to_keep, V], mask [n, S]).
-
-    Rows share text, and shared text is computed once (keys and values of a token depend
-    only on the tokens before it). `shareable[r]` is how many leading tokens of row r may
-    be computed with other rows: the rest need their own logits (the sampler: the last
-    token; the trainer: the last prompt token and the action). Two levels:
-      * the prefix ALL rows start with (a module's instructions and tool cards) runs once
-        at batch 1: P positions;
-      * a family, rows that share more than that (the G rollouts of a query share the
-        question; the trainer's G actions share their whole prompt), runs its shared part
-        once: the families run together as one left-padded batch behind the prefix;
-    then every row's own rest runs behind its prefix and family part. Each row is laid out
-      [prefix (P) | pads, family part (Lq) | pads, own rest (L)],   S = P + Lq + L,
-    with its tokens in the last columns of each block. Pads are masked out and skipped by
-    the position ids, so each row computes exactly what it would alone. The sampler and
-    the trainer (flow_grpo.token_logprobs) both lay rows out through this one function;
-    it is differentiable, so the trainer's shared text is computed once too.
-
-    Padding is work too: a pad runs through every layer like a token. When the rests'
-    lengths differ a lot (a 30-token question beside an 80-token one, an empty memory
-    beside a full one), the rows are split into groups of similar length
-    (`length_groups`) and each group runs as its own left-padded batch; the groups' keys
-    and values are then laid out as if they had run together. `cache` (empty on entry;
-    None if only the logits are wanted) ends up holding every row's keys and values.
-    """
-    n, dev = len(seqs), next(model.parameters()).device
-    P = min(_common_prefix_len(seqs), min(shareable)) if n > 1 else 0
-    if P < MIN_SHARED:  # too short to be worth a separate forward
-        P = 0
-    families = shared_families(seqs, shareable, P)  # [(rows, q)]: rows share seqs[rows[0]][P:P+q]
-    parts = [seqs[rows[0]][P:P + q] for rows, q in families]  # each family's shared part
-    fam_of, rest = [len(families)] * n, [s[P:] for s in seqs]  # no family: the last "family", empty
-    for f, (rows, q) in enumerate(families):
-        for r in rows:
-            fam_of[r], rest[r] = f, seqs[r][P + q:]
-    Lq = max(map(len, parts), default=0)
-    # Each row's mask over the positions it finds cached: [prefix | its family part].
-    pre_mask = torch.ones((n, P + Lq), dtype=torch.long, device=dev)  # [n, P+Lq], 1 = real token
-    fam_masks = _left_padded(parts + [[]], Lq, pad_id, dev)[1]  # [F+1, Lq]; the last: no family, all pads
-    pre_mask[:, P:] = fam_masks[fam_of]  # [n, Lq] each row's family
-    groups = length_groups([len(s) for s in rest])
-
-    work = cache if len(groups) == 1 and not families and cache is not None else DynamicCache()
-    if P:
-        prefix = torch.tensor([seqs[0][:P]], device=dev)  # [1, P]
-        model(input_ids=prefix, cache=work, use_cache=True, logits_to_keep=1)  # work: [1, H, P, D] a layer
-    if len(groups) == 1 and not families:  # one batch: run it in the caller's cache
-        if P:
-            work.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
-        logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep)
-        return logits, torch.cat([pre_mask, suffix_mask], dim=-1)
-    # Keys and values each row finds before its rest: one entry per family, and a last one
-    # (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D], same);
-    # without families that is the prefix alone, [1, H, P, D], and every row's entry is 0.
-    pre_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
-    if families:
-        fam = DynamicCache()
-        for i, (k, v) in enumerate(pre_kv):  # the prefix, copied to every family
-            fam.update(k.expand(len(parts), -1, -1, -1), v.expand(len(parts), -1, -1, -1), i)
-        _run_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, fam, 1)  # [F, H, P+Lq, D] a layer
-        none = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, Lq))  # [1, H, P+Lq, D]: the prefix, then zeros
-        pre_kv = [(torch.cat([l.keys, none(l.keys)]), torch.cat([l.values, none(l.values)])) for l in fam.layers]
-    L = max(len(s) for s in rest)
-    logits, kvs, masks = [], [], []
-    for rows in groups:
-        idx = torch.tensor([fam_of[r] for r in rows], device=dev)  # [c] each row's entry in pre_kv
-        sub = DynamicCache()
-        for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached: [c, H, P+Lq, D]
-            sub.update(k[idx], v[idx], i)
-        part, m = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
-                            logits_to_keep)  # [c, k<=keep, V], [c, L_c]
-        logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
-        masks.append(F.pad(m, (L - m.shape[1], 0)))  # [c, L]
-        kvs.append(sub)
-    back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
-    mask = torch.cat([pre_mask, torch.cat(masks)[back]], dim=-1)  # [n, P+Lq+L]
-    if cache is not None:
-        K, S = P + Lq, mask.shape[1]
-
-        def widen(t):  # [c, H, K+L_c, D] -> [c, H, S, D]: [cached | zeros as extra pads | group's pads, rest]
-            return torch.cat([t[:, :, :K], t.new_zeros(t.shape[0], t.shape[1], S - t.shape[2], t.shape[3]),
-                              t[:, :, K:]], dim=2)
-        for i in range(len(kvs[0].layers)):  # one cache layer per decoder layer
-            keys = torch.cat([widen(sub.layers[i].keys) for sub in kvs])[back]  # [n, H, S, D]
-            values = torch.cat([widen(sub.layers[i].values) for sub in kvs])[back]
-            cache.update(keys, values, i)
-    return torch.cat(logits)[back], mask
-
-
-def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int, cache, logits_to_keep: int):
-    """Left-padded forward of `rest` behind the K positions already in `cache` (pre_mask
-    [c, K]: which of them are real tokens): logits [c, min(logits_to_keep, L), V] and the
-    mask [c, L] of the rest, for L the longest."""
-    ids, mask = _left_padded(rest, max(len(s) for s in rest), pad_id, next(model.parameters()).device)  # [c, L] each
-    full = torch.cat([pre_mask, mask], dim=-1)  # [c, K+L]
-    pos = (full.cumsum(-1) - 1).clamp(min=0)[:, pre_mask.shape[1]:]  # [c, L] each token's position in its sequence
-    out = model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True,
-                logits_to_keep=min(logits_to_keep, ids.shape[1]))
-    return out.logits, mask
-
-
-def _left_padded(seqs: list[list[int]], L: int, pad_id: int, dev):
-    """ids [c, L] of the sequences left-padded to L, and their mask [c, L] (1 = a token)."""
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=dev)  # [c, L]
-    mask = torch.zeros((len(seqs), L), dtype=torch.long, device=dev)  # [c, L]
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, L - len(s):] = torch.tensor(s, device=dev)
-            mask[i, L - len(s):] = 1
-    return ids, mask
-
-
-# Shared text shorter than this runs with each row: a separate forward costs more.
-MIN_SHARED = 8
-
-
-def shared_families(seqs: list[list[int]], shareable: list[int], P: int) -> list[tuple[list[int], int]]:
-    """Rows that share at least MIN_SHARED tokens beyond the common prefix P, as
-    (rows, q): the rows' next q tokens are the same (and within each row's `shareable`).
-
-    Sorted, rows sharing a beginning are neighbours, and a run's shared length only
-    shrinks as it grows; a run grows while it keeps MIN_SHARED tokens in common."""
-    order = sorted(range(len(seqs)), key=lambda r: seqs[r][P:])
-    families, i = [], 0
-    while i < len(order):
-        first, q, j = seqs[order[i]], shareable[order[i]] - P, i + 1
-        while j < len(order):
-            other, k = seqs[order[j]], P
-            while k < min(len(first), len(other)) and first[k] == other[k]:
-                k += 1
-            shared = min(q, k - P, shareable[order[j]] - P)
-            if shared < MIN_SHARED:
-                break
-            q, j = shared, j + 1
-        if j - i > 1:
-            families.append((sorted(order[i:j]), q))
-        i = j
-    return families
-
-
-# What one more forward costs beyond its tokens, counted in tokens of prefill: reading
-# every weight once more, ~10 small ops per layer, smaller matmuls. Timed on the prompts
-# of one rollout's module calls (SmolLM2, 2 cores): 16, 48 and 128 all split 3-11 s calls
-# within 10% of each other and 25-35% below one padded batch; 48 was the best of the three.
-GROUP_COST_TOKENS = 48
-
-
-def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> list[list[int]]:
-    """Split rows into groups that run as separate left-padded batches: the split with
-    the least work, counted as sum over groups of (rows x longest row) + group_cost.
-
-    Sorted by length, the best groups are runs of neighbours, so this is a 1-D dynamic
-    program: best[j] = min over i < j of best[i] + (j - i) * len_j + group_cost, the
-    cheapest way to run the j shortest rows with the last group holding rows i..j-1."""
-    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
-    sl = [lengths[r] for r in order]
-    best, cut = [0] + [float("inf")] * len(sl), [0] * (len(sl) + 1)
-    for j in range(1, len(sl) + 1):
-        for i in range(j):
-            cost = best[i] + (j - i) * sl[j - 1] + group_cost
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(sl)
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
-
-
-def _common_prefix_len(prompts: list[list[int]]) -> int:
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for p in prompts[1:]:
-        k = 0
-        while k < n and p[k] == first[k]:
-            k += 1
-        n = k
-    return n
-
-
-# Decoders whose layers are exactly what decode_step writes out: pre-norm blocks of RMSNorm,
-# attention with rotary embeddings and grouped KV heads, and a gated MLP. (Qwen2 adds
-# biases to q/k/v; the module's own bias is used. Sliding-window attention is not
-# written out: Qwen2.5 configs leave it off.) Anything else uses the HF forward.
-DECODE_STEP_MODELS = ("llama", "qwen2")
-
-
-def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-    """One new token per row through a Llama or Qwen2 decoder: logits [b, V].
-
-    tok [b] the previous token of each row, pos [b, 1] its position, mask [b, S] the
-    key mask (1 = a real token; the last column is tok itself), cache the rows' keys and
-    values so far. This is the model's own forward for a single position, with its own
-    weights and modules (norms, rotary table, activation), minus what a general forward
-    pays at every step: building a 4-D mask, dispatching attention, wrapping outputs.
-    Two things make it faster than the same arithmetic in the HF forward:
-      * every linear layer is computed as W @ x^T, not x @ W^T: the same product, but on
-        this CPU the BLAS runs the [out, in] x [in, b] shape 15-45% faster for b = 32-64
-        (bench.py, `linear_only_*`), and a decode step is 211 such products;
-      * attention groups the query heads by their KV head ([b, kv, g, D] against
-        [b, kv, S, D]), so grouped keys and values are read as they are in the cache,
-        never repeated per query head.
-    Same math as the HF forward, but not the same summation order: log-probs agree to
-    ~1e-5 in fp32 (tests/test_sampler.py), greedy tokens are the same.
-    """
-    dec = model.model
-    b = tok.shape[0]
-    x = dec.embed_tokens(tok)  # [b, h]
-    cos, sin = dec.rotary_emb(x, pos)  # [b, 1, D] each
-    bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)  # [b, S]
-    bias = bias.masked_fill(mask == 0, torch.finfo(x.dtype).min)[:, None, None, :]  # [b, 1, 1, S]
-    for i, layer in enumerate(dec.layers):
-        att = layer.self_attn
-        D, kv = att.head_dim, att.config.num_key_value_heads
-        h = layer.input_layernorm(x)  # [b, h]
-        q = _linear(h, att.q_proj).view(b, -1, 1, D)  # [b, H, 1, D]
-        k = _linear(h, att.k_proj).view(b, kv, 1, D)  # [b, kv, 1, D]
-        v = _linear(h, att.v_proj).view(b, kv, 1, D)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        keys, values = cache.update(k, v, i)  # [b, kv, S, D]: the new position written in place
-        q = q.view(b, kv, -1, D)  # [b, kv, g, D]: the g query heads that share each KV head
-        o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
-                                                             scale=att.scaling)  # [b, kv, g, D]
-        x = x + _linear(o.reshape(b, -1), att.o_proj)  # [b, h]
-        h = layer.post_attention_layernorm(x)
-        mlp = layer.mlp
-        x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
-    return _linear(dec.norm(x), model.lm_head)  # [b, V]
-
-
-# Output rows of W per product in _linear. A vocabulary projection (49k x 576 for SmolLM2)
-# in one product runs at ~60 GFLOP/s on 2 cores, in blocks of 1024 rows at ~85: each
-# block's [1024, b] output stays in cache while it is transposed into place (b64: 60 ms
-# -> 45 ms a step, the same numbers bit for bit: a block is the same dot products).
-ROW_BLOCK = 1024
-
-
-def _linear(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-    """lin(x) for x [b, in] -> [b, out], computed as (W [out, in] @ x^T [in, b])^T,
-    by blocks of ROW_BLOCK output features when there are many (the lm_head)."""
-    W = lin.weight  # [out, in]
-    if W.shape[0] <= 4 * ROW_BLOCK:
-        y = torch.mm(W, x.t()).t()  # [b, out], a transposed view
-        return (y + lin.bias if lin.bias is not None else y).contiguous()
-    y = x.new_empty(x.shape[0], W.shape[0])  # [b, out]
-    for i in range(0, W.shape[0], ROW_BLOCK):
-        y[:, i:i + ROW_BLOCK] = torch.mm(W[i:i + ROW_BLOCK], x.t()).t()  # [b, block] <- [block, b]^T
-    return y + lin.bias if lin.bias is not None else y
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [b, heads, 1, D] at each row's position (cos, sin [b, 1, D]):
-    the pairs (x_j, x_{j+D/2}) are rotated by the position's angle for that frequency."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+def decode(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    """One new token per row through the model's own forward: logits [b, V].
+    tok [b] the previous token of each row, pos [b, 1] its position, mask [b, S] the key
+    mask (the last column is tok itself); its keys and values are appended to `cache`."""
+    out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    return out.logits[:, -1, :]  # [b, V]
 
 
 def restrict(logits: torch.Tensor, allowed: tuple[int, ...]) -> torch.Tensor:
@@ -619,43 +299,21 @@ def restrict(logits: torch.Tensor, allowed: tuple[int, ...]) -> torch.Tensor:
     return keep.scatter(-1, idx, logits.gather(-1, idx))
 
 
-def _pick(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
-    """Choose one token per row from logits [b, V]; return (ids [b], logprobs [b])."""
-    if p.temperature <= 0:  # greedy
+def multinomial(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One index per row of weights [b, V] (>= 0), drawn with probability weights / row sum."""
+    return torch.multinomial(weights, 1, generator=gen)[:, 0]  # [b]
+
+
+def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator, draw=multinomial):
+    """Choose one token per row from logits [b, V]; return (ids [b], logprobs [b]).
+    temperature 0 is greedy; otherwise the token is drawn from softmax(logits / T)."""
+    if temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)  # [b, V]
         tok = logits.argmax(dim=-1)  # [b]
-        return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / p.temperature, dim=-1)  # [b, V] what the trainer recomputes
-    filtered = logp
-    if p.top_k > 0:  # keep the k most likely tokens
-        kth = torch.topk(filtered, min(p.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]  # [b, 1]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if p.top_p < 1.0:  # keep the smallest set whose mass reaches top_p
-        sorted_lp, order = torch.sort(filtered, descending=True, dim=-1)  # [b, V]
-        mass_before = sorted_lp.softmax(-1).cumsum(-1) - sorted_lp.softmax(-1)  # [b, V]
-        sorted_lp = sorted_lp.masked_fill(mass_before >= p.top_p, float("-inf"))
-        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_lp)
-    tok = draw(filtered.exp(), gen)  # [b]
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # [b, V] what the trainer recomputes
+        tok = draw(logp.exp(), gen)  # [b]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
-
-
-def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One index per row of weights [b, V] (>= 0, not necessarily summing to 1), drawn
-    with probability weights / row sum: inverse-CDF sampling with ONE uniform per row.
-
-    With c the running sum along the row and u uniform on [0, c_V), index i is the one
-    with c_{i-1} <= u < c_i, an interval of length w_i: P(i) = w_i / c_V. A zero weight
-    is an empty interval, so it is never drawn. torch.multinomial draws the same
-    distribution by drawing an exponential for EVERY entry (argmax w_i / E_i): 3M random
-    numbers a step at b64 x 49k vocabulary, ~90 ms of a ~430 ms decode step on 2 cores,
-    where this costs ~2 ms."""
-    c = weights.cumsum(-1)  # [b, V] non-decreasing: adding w >= 0 never lowers a float sum
-    u = torch.rand(c.shape[0], 1, generator=gen, device=c.device, dtype=c.dtype) * c[:, -1:]  # [b, 1]
-    tok = torch.searchsorted(c, u, right=True)[:, 0]  # [b] how many c_i <= u: the first i with c_i > u
-    if bool((tok == c.shape[-1]).any()):  # u rounded up to c_V (odds ~1e-7 a draw): no c_i exceeds
-        last = c.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1)  # it; u sits at the end of
-        tok = torch.minimum(tok, last)  # the last interval with weight
-    return tok
 
 
 # ----------------------------------------------------------------------------------------
@@ -788,26 +446,28 @@ class Trajectory:
 
 @dataclass
 class AgentConfig:
-    max_turns: int = 3  # T_max (paper: 3 in training, up to 10 at test)
-    constrain_tool: bool = True  # the planner's first token must begin a tool name
-    force_tool: str = ""  # if set, every planner action begins with this tool (measurement only)
-    code_start: str = ""  # text every Python_Coder input is forced to begin with, e.g. "print("
-    memory_budget_chars: int = 1200
-    result_chars: int = 400
-    planner: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, 40, ("\n\n",)))
-    executor: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 96))
-    verifier: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 1))
-    generator: SamplingParams = field(default_factory=lambda: SamplingParams(0.0, 1.0, 0, 32, ("\n",)))
+    """The config's `agent` section as the agent reads it (config.py holds every key's
+    default and comment: the one home of those facts)."""
+    max_turns: int  # T_max
+    constrain_tool: bool  # the planner's first token must begin a tool name
+    force_tool: str  # if set, every planner action begins with this tool (measurement only)
+    code_start: str  # text every Python_Coder input is forced to begin with, e.g. "print("
+    memory_budget_chars: int
+    result_chars: int
+    planner: SamplingParams
+    executor: SamplingParams
+    verifier: SamplingParams
+    generator: SamplingParams
 
 
 def agent_config(a: dict) -> AgentConfig:
-    """AgentConfig from the config's `agent` section (config.py lists the keys)."""
-    return AgentConfig(max_turns=a["max_turns"], constrain_tool=a["constrain_tool"],
-                       force_tool=a["force_tool"], code_start=a["code_start"],
-                       memory_budget_chars=a["memory_budget_chars"],
-                       result_chars=a["result_chars"],
-                       **{k: SamplingParams(**{**vars(getattr(AgentConfig(), k)), **a[k]})
-                          for k in ("planner", "executor", "verifier", "generator")})
+    """AgentConfig from the config's `agent` section."""
+    modules = {k: SamplingParams(temperature=a[k]["temperature"], max_new_tokens=a[k]["max_new_tokens"],
+                                 stop=tuple(a[k]["stop"]), first_temperature=a[k].get("first_temperature", 0.0))
+               for k in ("planner", "executor", "verifier", "generator")}
+    return AgentConfig(max_turns=a["max_turns"], constrain_tool=a["constrain_tool"], force_tool=a["force_tool"],
+                       code_start=a["code_start"], memory_budget_chars=a["memory_budget_chars"],
+                       result_chars=a["result_chars"], **modules)
 
 
 class AgentSystem:
@@ -828,8 +488,8 @@ class AgentSystem:
         # tool's: what each tool choice is worth, the yardstick for a trained planner.
         first = {planner.tok.encode(" " + n, add_special_tokens=False)[0]
                  for n in ([cfg.force_tool] if cfg.force_tool else self.tool_names)}
-        self.planner_first_tokens = tuple(sorted(first)) if cfg.constrain_tool or cfg.force_tool else ()
-        self.planner_params = replace(cfg.planner, first_tokens=self.planner_first_tokens)
+        self.planner_params = replace(cfg.planner, first_tokens=tuple(sorted(first))
+                                      if cfg.constrain_tool or cfg.force_tool else ())
         # The verifier's verdict is the first token of its reply, forced to " STOP" or
         # " CONTINUE" (greedy: whichever the frozen model finds likelier).
         self.stop_token, self.continue_token = (frozen.tok.encode(w, add_special_tokens=False)[0]
@@ -894,8 +554,8 @@ class AgentSystem:
         # Generator: o = G(q, M^T), one batched call.
         gprompts = [self.frozen.chat_ids(GENERATOR_SYSTEM, GENERATOR_USER.format(
             query=tr.query, memory=tr.memory.render()), "Answer:") for tr in trajs]
-        for tr, text in zip(trajs, self.frozen.generate_texts(gprompts, self.cfg.generator, seed * 1000 + 999)):
-            tr.answer = text.strip()
+        for tr, smp in zip(trajs, self.frozen.sample(gprompts, self.cfg.generator, seed * 1000 + 999)):
+            tr.answer = smp.text.strip()
             tr.log.append({"module": "generator", "output": tr.answer})
         return trajs
 

@@ -15,10 +15,10 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
      >= 150 tokens/s at b64. Then the sampler once more with one of its parts swapped
      for the generic one, to show what each part saves: the general HF forward for
-     each new token instead of agentflow.decode_step (b32); the prompts prefilled as
+     each new token instead of speedups.decode_step (b32); the prompts prefilled as
      one left-padded batch instead of in groups of similar length (b32, prefill only);
-     torch.multinomial instead of the inverse-CDF agentflow.draw (b64); the lm_head as
-     one product instead of blocks of agentflow.ROW_BLOCK output rows (b64); every
+     torch.multinomial instead of the inverse-CDF speedups.draw (b64); the lm_head as
+     one product instead of blocks of speedups.ROW_BLOCK output rows (b64); every
      row running its whole prompt instead of families sharing their system prompt
      (b64); Hugging Face's DynamicCache instead of the in-place cache (b64).
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
@@ -51,6 +51,7 @@ import torch
 from transformers import DynamicCache
 
 import agentflow
+import speedups
 from agentflow import LLM, PLANNER_SYSTEM, SamplingParams, load_model
 from config import load_config
 from eval import build_agent
@@ -120,12 +121,12 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     """Part 1: new tokens/s of our sampler and of `generate` at each batch size."""
     no_eos = copy.copy(llm)  # the same model and tokenizer; only the EOS set differs
     no_eos.eos_ids = [-1]  # an id no token has: every row runs the full NEW tokens
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW)
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW)
     prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)])
                for i in range(max(BATCHES))]
-    fams = agentflow.shared_families(prompts, [len(p) - 1 for p in prompts], 0)
+    fams = speedups.shared_families(prompts, [len(p) - 1 for p in prompts], 0)
     print(f"# throughput prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"shared prefix {agentflow._common_prefix_len(prompts)} tokens (< {agentflow.MIN_SHARED}: not "
+          f"shared prefix {speedups.common_prefix_len(prompts)} tokens (< {speedups.MIN_SHARED}: not "
           f"reused); at b64 {len(fams)} families (one per system prompt) share {[q for _, q in fams]} tokens")
     # Warm up each path once (allocator, kernels, lazy init) on a small batch.
     no_eos.sample(prompts[:4], replace_new(params, 8))
@@ -143,41 +144,41 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         for k in ("sampler_tokens_per_s", "generate_tokens_per_s", "sampler_vs_generate"):
             show(f"{k}_b{B}", out[f"{k}_b{B}"])
     # The same sampler with each new token run through the general HF forward instead of
-    # agentflow.decode_step: what writing the decoder out for one position brings. b32.
+    # speedups.decode_step: what writing the decoder out for one position brings. b32.
     B = 32
-    if no_eos.fast_decode:
-        no_eos.fast_decode = False
+    if no_eos.decode is speedups.decode_step:
+        no_eos.decode = agentflow.decode
         t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-        no_eos.fast_decode = True
+        no_eos.decode = speedups.decode_step
         show(f"sampler_hf_forward_tokens_per_s_b{B}", B * NEW / t_hf_fwd)
         show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
-    # Prefill in groups of similar length (agentflow.length_groups) vs one left-padded
+    # Prefill in groups of similar length (speedups.length_groups) vs one left-padded
     # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
-    with patch.object(agentflow, "length_groups", lambda lengths: [list(range(len(lengths)))]):
+    with patch.object(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))]):
         t_one = clock(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), REPEAT)
     show("prefill_one_batch_s_b32", t_one)
     show("prefill_groups_speedup_b32", t_one / out["prefill_s_b32"])
     # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
-    # inverse-CDF agentflow.draw (one uniform per row). Same sampler, b64.
+    # inverse-CDF speedups.draw (one uniform per row). Same sampler, b64.
     B = max(BATCHES)
-    with patch.object(agentflow, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]):
+    with patch.object(speedups, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]):
         t_mult = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     show(f"sampler_multinomial_tokens_per_s_b{B}", B * NEW / t_mult)
     show(f"draw_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_mult))
     # The vocabulary projection as one [V, h] x [h, b] product instead of blocks of
-    # ROW_BLOCK output rows (agentflow._linear): the same numbers, b64.
-    with patch.object(agentflow, "ROW_BLOCK", 10 ** 9):
+    # ROW_BLOCK output rows (speedups._linear): the same numbers, b64.
+    with patch.object(speedups, "ROW_BLOCK", 10 ** 9):
         t_head = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     show(f"sampler_lm_head_one_product_tokens_per_s_b{B}", B * NEW / t_head)
     show(f"lm_head_blocks_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_head))
-    # Each row runs its whole prompt: no families (agentflow.shared_families). b64.
-    with patch.object(agentflow, "shared_families", lambda seqs, shareable, P: []):
+    # Each row runs its whole prompt: no families (speedups.shared_families). b64.
+    with patch.object(speedups, "shared_families", lambda seqs, shareable, P: []):
         t_fam = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     show(f"sampler_no_families_tokens_per_s_b{B}", B * NEW / t_fam)
     show(f"families_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_fam))
-    # The sampler's cache grows in place (agentflow.RoomyLayer); Hugging Face's DynamicCache
+    # The sampler's cache grows in place (speedups.RoomyLayer); Hugging Face's DynamicCache
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
-    with patch.object(agentflow, "roomy_cache", DynamicCache):
+    with patch.object(speedups, "roomy_cache", DynamicCache):
         t_dyn = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     show(f"sampler_tokens_per_s_b{B}_dynamic_cache", B * NEW / t_dyn)
     show("kv_cache_in_place_speedup_b64", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_dyn))
@@ -194,14 +195,14 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
     system = PLANNER_SYSTEM.format(cards=cards)  # the planner's instructions, all six tool cards
     prompts = [llm.chat_ids(system, f"Question: {q}\nWhat is the next step?", "Tool:")
                for q in questions[:32]]
-    shared = agentflow._common_prefix_len(prompts)
+    shared = speedups.common_prefix_len(prompts)
     print(f"# prefix prompts: 32 x {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{shared} shared")
-    one = SamplingParams(max_new_tokens=1)  # prefill + the first token, no decode step
+    one = SamplingParams(1.0, max_new_tokens=1)  # prefill + the first token, no decode step
 
     def unshared(ps):  # the sampler with its shared-text paths (prefix, families) switched off
-        with patch.object(agentflow, "_common_prefix_len", lambda prompts: 0), \
-                patch.object(agentflow, "shared_families", lambda seqs, shareable, P: []):
+        with patch.object(speedups, "common_prefix_len", lambda prompts: 0), \
+                patch.object(speedups, "shared_families", lambda seqs, shareable, P: []):
             llm.sample(ps, one)
 
     llm.sample(prompts[:4], one)  # warm up both paths
@@ -260,13 +261,13 @@ def roofline(llm: LLM, args, sampler_b64: float) -> None:
 
 def linear_only(llm: LLM, args, tp: dict) -> None:
     """Part 4b: one decode step's linear layers alone, at B = 32 and 64 rows, computed as
-    agentflow.decode_step does (W @ x^T) and as nn.Linear does (x @ W^T)."""
+    speedups.decode_step does (W @ x^T) and as nn.Linear does (x @ W^T)."""
     linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
     for B in (32, 64):
         xs = {k: torch.randn(B, k, device=args.device, dtype=linears[0].weight.dtype)
               for k in {m.in_features for m in linears}}  # [B, in] per input width
         with torch.no_grad():
-            for name, fn in (("", agentflow._linear), ("_hf_layout", lambda x, m: m(x))):
+            for name, fn in (("", speedups._linear), ("_hf_layout", lambda x, m: m(x))):
                 def step():  # every linear of one decode step: 30 x (q, k, v, o, gate, up, down) + lm_head
                     for m in linears:
                         fn(xs[m.in_features], m)  # [B, in] -> [B, out]

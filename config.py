@@ -31,16 +31,18 @@ DEFAULTS = {
         "code_start": "",  # text every Python_Coder input must begin with ("print(" for a 135M model)
         "memory_budget_chars": 1200,  # cap on the rendered memory block
         "result_chars": 400,  # cap on one tool result in memory
-        # Sampling per module. The planner is the policy: temperature > 0, no truncation,
-        # so the sampler's log-probs are exactly what the loss recomputes.
+        # Sampling per module: temperature (0 = greedy), the token limit, and stop strings
+        # (generation ends once the text holds one). The planner is the policy: it samples
+        # at temperature > 0 from the full softmax, which the loss recomputes exactly.
         # first_temperature: the temperature of the planner's first token, which with
         # constrain_tool is the tool choice (0 = temperature). Above 1 it explores tools
         # the initial model rarely picks; the loss scores that token at the same
         # temperature, so training stays on-policy, and greedy evaluation ignores it.
-        "planner": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 40, "first_temperature": 0.0},
-        "executor": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 96},
-        "verifier": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 1},  # a forced STOP / CONTINUE token
-        "generator": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 32},
+        "planner": {"temperature": 1.0, "max_new_tokens": 40, "stop": ["\n\n"], "first_temperature": 0.0},
+        # The executor's stop strings come from the chosen tool (tools.py, input_stops).
+        "executor": {"temperature": 0.0, "max_new_tokens": 96, "stop": []},
+        "verifier": {"temperature": 0.0, "max_new_tokens": 1, "stop": []},  # a forced STOP / CONTINUE token
+        "generator": {"temperature": 0.0, "max_new_tokens": 32, "stop": ["\n"]},
     },
     "tools": dict(DEFAULT_TOOL_CFG),  # passed to tools.build_tools; tools.py comments each key
     "data": {
@@ -156,10 +158,9 @@ def _coerce(name: str, value, want):
 def _check_combinations(cfg: dict) -> None:
     t, a = cfg["train"], cfg["agent"]
     planner = a["planner"]
-    if planner["temperature"] <= 0 or planner["top_p"] != 1.0 or planner["top_k"] != 0:
-        raise ConfigError("agent.planner must sample with temperature > 0, top_p = 1.0 and top_k = 0: "
-                          "the loss scores actions under softmax(logits / temperature), which is the "
-                          "sampling distribution only without truncation")
+    if planner["temperature"] <= 0:
+        raise ConfigError("agent.planner.temperature must be > 0: the planner is the policy, and the loss "
+                          "scores its actions under softmax(logits / temperature)")
     if planner["first_temperature"] < 0:
         raise ConfigError("agent.planner.first_temperature must be >= 0 (0 = the same as temperature)")
     for key in ("steps", "queries_per_step", "group_size", "epochs", "minibatches", "micro_batch"):

@@ -6,12 +6,16 @@ Paper, section 2. Every symbol of the objective lives in this file:
                - beta * KL(pi_theta || pi_ref)
 
     G          rollouts of one query (we average over all N = Q*G trajectories of a batch)
-    T_i        planner turns of trajectory i                     -> TurnRow.weight
-    |a_i^t|    tokens of the planner's action at turn t          -> the 1/|a| in TurnRow token weights
+    T_i        planner turns of trajectory i                     -> build_rows, TurnRow.weight
+    |a_i^t|    tokens of the planner's action at turn t          -> flow_grpo_loss, `n_tok`
     rho_ij^t   pi_theta(token) / pi_theta_old(token)             -> flow_grpo_loss, `ratio`
     A_i^t      = A_i = (R_i - mean_k R_k) / (std_k R_k + eps)    -> group_advantages
-    eps_low, eps_high  the asymmetric clip range                 -> flow_grpo_loss
-    beta       the KL coefficient, KL estimated per token by k3  -> flow_grpo_loss, `kl`
+    eps_low, eps_high  the asymmetric clip range                 -> LossConfig, flow_grpo_loss
+    beta       the KL coefficient, KL estimated per token by k3  -> LossConfig, flow_grpo_loss, `kl`
+
+`reference_objective` writes J as one Python loop per average, exactly as above; the
+batched `flow_grpo_loss` must equal it (tests/test_flow_grpo.py), and a reader can
+check one against the other line by line.
 
 Reward broadcast: the trajectory's single outcome reward R_i (0 or 1) is copied to every
 one of its planner turns, so A_i^t = A_i for all t. This is valid because each turn's
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from agentflow import prefill
+import speedups
+from agentflow import SamplingParams
 
 
 @dataclass
@@ -42,6 +47,13 @@ class TurnRow:
     old_logprobs: list[float]  # log pi_theta_old(a_ij^t | ...) from the sampler
     advantage: float  # A_i^t = A_i, broadcast from the trajectory
     weight: float  # 1 / (N * T_i): the trajectory and turn averages of J
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    eps_low: float  # clip range 1 - eps_low
+    eps_high: float  # clip range 1 + eps_high
+    beta: float  # KL coefficient
 
 
 # ----------------------------------------------------------------------------------------
@@ -58,17 +70,18 @@ def group_advantages(rewards: list[float], group_size: int, n_turns: list[int] |
     mode "turn_rows" (the official code): the same, but mean and std are taken over all
     turn rows of the group, trajectory i counting T_i times (needs n_turns).
     A group whose rewards are all equal gets A = 0: it carries no learning signal."""
-    R = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)  # [Q, G]
+    G = group_size
+    R = torch.tensor(rewards, dtype=torch.float64).view(-1, G)  # [Q, G] rewards
     if mode == "trajectory":
         w = torch.ones_like(R)  # [Q, G]
     elif mode == "turn_rows":
-        w = torch.tensor(n_turns, dtype=torch.float64).view(-1, group_size).clamp(min=1)  # [Q, G]
+        w = torch.tensor(n_turns, dtype=torch.float64).view(-1, G).clamp(min=1)  # [Q, G] T_i
     else:
         raise ValueError(f"advantage mode must be 'trajectory' or 'turn_rows', not {mode!r}")
     mean = (w * R).sum(1, keepdim=True) / w.sum(1, keepdim=True)  # [Q, 1]
     std = ((w * (R - mean) ** 2).sum(1, keepdim=True) / w.sum(1, keepdim=True)).sqrt()  # [Q, 1]
-    A = (R - mean) / (std + eps)  # [Q, G]
-    return A.view(-1).tolist()
+    adv = (R - mean) / (std + eps)  # [Q, G]
+    return adv.view(-1).tolist()
 
 
 def zero_variance_groups(rewards: list[float], group_size: int) -> int:
@@ -80,16 +93,18 @@ def zero_variance_groups(rewards: list[float], group_size: int) -> int:
 def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
     """Broadcast each trajectory's advantage to all its planner turns (A_i^t = A_i).
 
-    weight = 1/(N * T_i) puts the 1/G (here 1/N over the whole batch) and 1/T_i averages
+    weight = 1/(N * T_i) puts the 1/G (here 1/N over the whole batch of N = Q*G
+    trajectories: the mean over groups of each group's 1/G average) and 1/T_i averages
     of J on the row; the 1/|a| average is applied per token in flow_grpo_loss. Because
     these are fixed before any micro-batching, splitting rows into micro-batches (and
     summing their losses) gives exactly the loss of the whole batch."""
     N = len(trajectories)
     rows = []
-    for traj, A in zip(trajectories, advantages):
+    for traj, A_i in zip(trajectories, advantages):
         turns = [t for t in traj.turns if t.action_ids]
+        T_i = len(turns)
         for turn in turns:
-            rows.append(TurnRow(turn.prompt_ids, turn.action_ids, turn.logprobs, A, 1.0 / (N * len(turns))))
+            rows.append(TurnRow(turn.prompt_ids, turn.action_ids, turn.logprobs, A_i, 1.0 / (N * T_i)))
     return rows
 
 
@@ -97,83 +112,141 @@ def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
 # Per-token log-probs of the sampled actions under the current weights
 
 
-def token_logprobs(model, rows: list[TurnRow], temperature: float, pad_id: int,
-                   first_tokens: tuple[int, ...] = (), first_temperature: float = 0.0):
-    """log pi(a_ij | prompt, a_i<j) / T for every action token of every row.
+def action_logits(model, rows: list[TurnRow], pad_id: int, fast: bool = True) -> torch.Tensor:
+    """The logits that predicted each action token: [n, La, V] for n rows and La the
+    longest action; row r's action fills the LAST |a_r| columns, like its tokens in the
+    sequence.
 
-    Returns (logp [R, A], logits [R, A, V], mask [R, A]) where A = the longest action;
-    row r's action fills the LAST |a_r| columns (mask 1), like its tokens in the
-    sequence. Same distribution as the sampler: log_softmax(logits / T) in float32 over
-    the full vocabulary. Rows run through the sampler's agentflow.prefill: text rows
-    share is computed once (the module's instructions for all rows, the whole prompt for
-    the G actions sampled from it), the rest left-padded in groups of similar length,
-    and only action positions get logits.
-    With `first_tokens` (the planner's tool constraint), each action's first token is
-    scored under the softmax over those ids alone, as the sampler drew it; with
-    `first_temperature`, at that temperature (the sampler's SamplingParams field).
-    """
+    Plain (fast=False): every row is prompt + action, the rows left-padded into one
+    batch, one forward; pads are masked out and skipped by the position ids. The logits
+    at position p predict token p+1, so the last La+1 positions cover every action.
+    fast=True runs the same rows through speedups.prefill, which computes text the rows
+    share once (the module's instructions for all rows, the whole prompt for the G
+    actions sampled from it); the logits are the same."""
     dev = next(model.parameters()).device
     seqs = [r.prompt_ids + r.action_ids for r in rows]
-    A = max(len(r.action_ids) for r in rows)
-    mask = torch.zeros((len(rows), A), dtype=torch.float32, device=dev)  # [R, A]
-    targets = torch.zeros((len(rows), A), dtype=torch.long, device=dev)  # [R, A]
+    La = max(len(r.action_ids) for r in rows)
+    if fast:
+        logits, _ = speedups.prefill(model, seqs, pad_id, None, logits_to_keep=La + 1,
+                                     shareable=[len(r.prompt_ids) - 1 for r in rows])
+    else:
+        ids, mask = speedups.left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, S] each token's position in its own sequence
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=La + 1).logits
+    return logits[:, :-1, :]  # [n, La, V]
+
+
+def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, fast: bool = True):
+    """log pi(a_ij | prompt, a_i<j) for every action token of every row, under exactly the
+    distribution the sampler drew it from (agentflow.LLM.sample with `sampling`):
+    softmax(logits / T_j) over the full vocabulary in float32, T_j =
+    sampling.temperature_at(j), and for j = 0 with `first_tokens` (the planner's tool
+    constraint) the softmax over those ids alone.
+
+    Returns (logp [n, La], entropy [n, La] of that distribution, no gradient, mask [n, La]:
+    1 on action tokens), laid out as in action_logits."""
+    dev = next(model.parameters()).device
+    n, La = len(rows), max(len(r.action_ids) for r in rows)
+    mask = torch.zeros((n, La), dtype=torch.float32, device=dev)  # [n, La]
+    targets = torch.zeros((n, La), dtype=torch.long, device=dev)  # [n, La]
     for i, r in enumerate(rows):
-        mask[i, A - len(r.action_ids):] = 1
-        targets[i, A - len(r.action_ids):] = torch.tensor(r.action_ids, device=dev)
-    # The logits at position p predict token p+1: the last A+1 positions cover every action.
-    # The shared prompt prefix (instructions, tool cards) is computed once for all rows.
-    logits, _ = prefill(model, seqs, pad_id, None, logits_to_keep=A + 1,
-                        shareable=[len(r.prompt_ids) - 1 for r in rows])
-    logits = logits[:, :-1, :].float() / temperature  # [R, A, V]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [R, A]
-    if first_tokens:
-        r = torch.arange(len(rows), device=dev)  # [R]
-        c = torch.tensor([A - len(row.action_ids) for row in rows], device=dev)  # [R] first action column
-        first = logits[r, c]  # [R, V]  (already / T)
-        if first_temperature > 0:
-            first = first * (temperature / first_temperature)  # z / T_first
-        allowed = torch.tensor(first_tokens, device=dev)
-        # log p(a_0) = z[a_0] - logsumexp(z[allowed])
-        lp0 = first.gather(-1, targets[r, c][:, None])[:, 0] - torch.logsumexp(first[:, allowed], -1)  # [R]
+        mask[i, La - len(r.action_ids):] = 1
+        targets[i, La - len(r.action_ids):] = torch.tensor(r.action_ids, device=dev)
+    T = sampling.temperature
+    z = action_logits(model, rows, pad_id, fast).float() / T  # [n, La, V] logits / T
+    logp_all = torch.log_softmax(z, dim=-1)  # [n, La, V]
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]  # [n, La]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, La]
+    if sampling.first_tokens or sampling.first_temperature > 0:
+        # Token 0 of each action: its own temperature and the tool restriction.
+        r = torch.arange(n, device=dev)  # [n]
+        c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
+        z0 = z[r, c]  # [n, V] logits / T
+        if sampling.first_temperature > 0:
+            z0 = z0 * (T / sampling.first_temperature)  # logits / T_first
+        if sampling.first_tokens:
+            allowed = torch.tensor(sampling.first_tokens, device=dev)
+            norm = z0[:, allowed]  # [n, k] the softmax runs over the allowed ids only
+        else:
+            norm = z0  # [n, V]
+        # log p(a_0) = z0[a_0] - logsumexp(z0[allowed])
+        lp0 = z0.gather(-1, targets[r, c][:, None])[:, 0] - torch.logsumexp(norm, -1)  # [n]
         logp = logp.index_put((r, c), lp0)
-    return logp * mask, logits, mask
+        with torch.no_grad():
+            p0 = torch.log_softmax(norm, -1)  # [n, k]
+            entropy = entropy.index_put((r, c), -(p0.exp() * p0).sum(-1))
+    return logp * mask, entropy * mask, mask
 
 
 # ----------------------------------------------------------------------------------------
 # The loss
 
 
-def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, eps_low: float, eps_high: float,
-                   beta: float):
-    """-J for a set of rows. Shapes: logp, old_logp, ref_logp, mask [R, A]; adv, row_weight [R].
+def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossConfig):
+    """-J for a set of rows. Shapes: logp, old_logp, ref_logp, mask [n, La]; adv, row_weight [n].
 
     Returns (loss, stats) with loss a scalar whose gradient is -dJ/dtheta."""
-    A = adv[:, None]  # [R, 1]  A_i^t, the same for every token of the action
+    A = adv[:, None]  # [n, 1]  A_i^t, the same for every token of the action
     # rho = pi_theta / pi_theta_old. On the first update of a rollout batch the weights that
     # sampled are the weights being trained, so rho = 1 (up to float noise) and
     # d rho / d theta = rho * d log pi = d log pi: the surrogate's gradient is REINFORCE's,
     # sum_j A * d log pi(a_j). Clipping only bites from the second mini-batch / epoch on.
-    ratio = torch.exp(logp - old_logp)  # [R, A]  rho_ij^t
-    surrogate = torch.minimum(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # [R, A]
+    ratio = torch.exp(logp - old_logp)  # [n, La]  rho_ij^t
+    surrogate = torch.minimum(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # [n, La]
     # KL(pi_theta || pi_ref) per token, the "k3" estimator: with d = log pi_ref - log pi,
     # k3 = e^d - d - 1 >= 0, unbiased for KL when tokens come from pi_theta, and 0 iff equal.
-    d = ref_logp - logp  # [R, A]
-    kl = torch.exp(d) - d - 1  # [R, A]
+    d = ref_logp - logp  # [n, La]
+    kl = torch.exp(d) - d - 1  # [n, La]
     # Token weight = 1/(N T_i) * 1/|a_i^t|: the three averages of J.
-    n_tok = mask.sum(-1).clamp(min=1)  # [R]  |a_i^t|
-    w = (row_weight / n_tok)[:, None] * mask  # [R, A]
-    J = (w * (surrogate - beta * kl)).sum()
+    n_tok = mask.sum(-1).clamp(min=1)  # [n]  |a_i^t|
+    w = (row_weight / n_tok)[:, None] * mask  # [n, La]
+    J = (w * (surrogate - cfg.beta * kl)).sum()
     with torch.no_grad():
-        clipped = ((ratio < 1 - eps_low) & (A < 0)) | ((ratio > 1 + eps_high) & (A > 0))
+        clipped = ((ratio < 1 - cfg.eps_low) & (A < 0)) | ((ratio > 1 + cfg.eps_high) & (A > 0))
         stats = {"kl": (w * kl).sum().item(), "clip_frac": (clipped.float() * mask).sum().item(),
                  "n_tokens": mask.sum().item()}
     return -J, stats
 
 
-def accumulate_gradients(model, ref_model, rows: list[TurnRow], *, temperature: float, pad_id: int,
-                         eps_low: float, eps_high: float, beta: float, micro_batch: int = 16,
-                         scale: float = 1.0, autocast_dtype=None, first_tokens: tuple[int, ...] = (),
-                         first_temperature: float = 0.0) -> dict:
+def reference_objective(model, ref_model, trajectories, advantages: list[float], sampling: SamplingParams,
+                        cfg: LossConfig) -> torch.Tensor:
+    """J exactly as the paper writes it: one Python loop per average, one forward per turn,
+    no batching, no padding, no shared prefix. Slow; it is the yardstick that
+    flow_grpo_loss over build_rows is checked against (tests/test_flow_grpo.py)."""
+    N = len(trajectories)  # Q*G: 1/G over each group, averaged over the Q groups
+    J = 0.0
+    for traj, A_i in zip(trajectories, advantages):
+        turns = [t for t in traj.turns if t.action_ids]
+        T_i = len(turns)
+        for turn in turns:  # 1/T_i sum_t
+            seq = torch.tensor([turn.prompt_ids + turn.action_ids])
+            logits = model(seq).logits[0].float()  # [S, V]
+            with torch.no_grad():
+                ref_logits = ref_model(seq).logits[0].float()
+            size = len(turn.action_ids)  # |a_i^t|
+            for j, tok in enumerate(turn.action_ids):  # 1/|a| sum_j
+                at = len(turn.prompt_ids) - 1 + j  # the position whose logits predict token j
+                lp, lr = (_logprob(x[at], tok, j, sampling) for x in (logits, ref_logits))
+                rho = torch.exp(lp - turn.logprobs[j])
+                surrogate = torch.minimum(rho * A_i, torch.clamp(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * A_i)
+                kl = torch.exp(lr - lp) - (lr - lp) - 1  # k3
+                J = J + (surrogate - cfg.beta * kl) / (N * T_i * size)
+    return J
+
+
+def _logprob(logits: torch.Tensor, tok: int, j: int, sampling: SamplingParams) -> torch.Tensor:
+    """log pi of token j of an action, from the logits [V] that predict it (reference_objective)."""
+    z = logits / sampling.temperature_at(j)
+    if j == 0 and sampling.first_tokens:
+        allowed = list(sampling.first_tokens)
+        return z[tok] - torch.logsumexp(z[allowed], -1)
+    return torch.log_softmax(z, -1)[tok]
+
+
+def accumulate_gradients(model, ref_model, rows: list[TurnRow], sampling: SamplingParams, loss_cfg: LossConfig,
+                         pad_id: int, *, micro_batch: int = 16, scale: float = 1.0, autocast_dtype=None,
+                         fast: bool = True) -> dict:
     """Backward of `scale` * (-J) over `rows`, in micro-batches of `micro_batch` rows.
 
     Gradients add up in .grad. Since every token weight was fixed over the whole batch
@@ -184,35 +257,35 @@ def accumulate_gradients(model, ref_model, rows: list[TurnRow], *, temperature: 
     for k in range(0, len(rows), micro_batch):
         chunk = rows[k:k + micro_batch]
         with torch.autocast(dev.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            logp, logits, mask = token_logprobs(model, chunk, temperature, pad_id, first_tokens,
-                                                first_temperature)  # [R, A]
+            logp, entropy, mask = token_logprobs(model, chunk, sampling, pad_id, fast)  # [n, La]
             with torch.no_grad():
-                ref_logp = (token_logprobs(ref_model, chunk, temperature, pad_id, first_tokens, first_temperature)[0]
-                            if beta else logp.detach())  # [R, A]
-        old = _pad_left([r.old_logprobs for r in chunk], mask.shape[1], dev)  # [R, A]
-        adv = torch.tensor([r.advantage for r in chunk], device=dev)  # [R]
-        wt = torch.tensor([r.weight for r in chunk], device=dev)  # [R]
-        loss, s = flow_grpo_loss(logp, old, ref_logp, adv, wt, mask, eps_low, eps_high, beta)
+                ref_logp = (token_logprobs(ref_model, chunk, sampling, pad_id, fast)[0]
+                            if loss_cfg.beta else logp.detach())  # [n, La]
+        old = _pad_left([r.old_logprobs for r in chunk], mask.shape[1], dev)  # [n, La]
+        adv = torch.tensor([r.advantage for r in chunk], device=dev)  # [n]
+        wt = torch.tensor([r.weight for r in chunk], device=dev)  # [n]
+        loss, s = flow_grpo_loss(logp, old, ref_logp, adv, wt, mask, loss_cfg)
         (loss * scale).backward()
         with torch.no_grad():
             # Before any update the sampler and this forward must agree on the log-probs
             # (only float noise apart); a large gap means the loss is not on-policy.
             st["logprob_gap"] = max(st["logprob_gap"], ((logp - old).abs() * mask).max().item())
-            ent = -(logits.softmax(-1) * torch.log_softmax(logits, -1)).sum(-1)  # [R, A]
-            st["entropy"] += (ent * mask).sum().item()
+            st["entropy"] += entropy.sum().item()
         st["loss"] += loss.item() * scale
         for key in ("kl", "clip_frac", "n_tokens"):
             st[key] += s[key] * (scale if key == "kl" else 1)
     return st
 
 
-def policy_update(model, ref_model, optimizer, rows: list[TurnRow], *, epochs: int = 1, minibatches: int = 1,
-                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, **loss_kw) -> dict:
+def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams,
+                  loss_cfg: LossConfig, pad_id: int, *, epochs: int = 1, minibatches: int = 1,
+                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, **kw) -> dict:
     """`epochs` passes over one rollout batch, each split into `minibatches` optimizer
     steps (PPO style). With epochs = minibatches = 1 this is a single REINFORCE-like step
     (rho = 1, see flow_grpo_loss). A mini-batch's loss is scaled by `minibatches` so that
     every mini-batch estimates the same J as the whole batch (weights are batch-global).
-    loss_kw: the keyword arguments of accumulate_gradients."""
+    `sampling` is the planner's SamplingParams, the very object the sampler drew with.
+    kw: micro_batch, autocast_dtype, fast (accumulate_gradients)."""
     gen = torch.Generator().manual_seed(seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "n_tokens": 0.0, "entropy": 0.0, "grad_norm": 0.0}
@@ -221,8 +294,8 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], *, epochs: i
         order = torch.randperm(len(rows), generator=gen).tolist() if minibatches > 1 else list(range(len(rows)))
         for mb in range(minibatches):
             optimizer.zero_grad(set_to_none=True)
-            st = accumulate_gradients(model, ref_model, [rows[i] for i in order[mb::minibatches]],
-                                      scale=minibatches, **loss_kw)
+            st = accumulate_gradients(model, ref_model, [rows[i] for i in order[mb::minibatches]], sampling,
+                                      loss_cfg, pad_id, scale=minibatches, **kw)
             if epoch == 0 and mb == 0:
                 gap = st["logprob_gap"]  # measured before the first optimizer step
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
@@ -239,7 +312,7 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], *, epochs: i
 
 
 def _pad_left(values: list[list[float]], width: int, dev) -> torch.Tensor:
-    out = torch.zeros((len(values), width), device=dev)  # [R, A]
+    out = torch.zeros((len(values), width), device=dev)  # [n, La]
     for i, v in enumerate(values):
         if v:
             out[i, width - len(v):] = torch.tensor(v, device=dev)

@@ -68,8 +68,8 @@ class TurnRecord:
 
 @dataclass
 class Memory:
-    budget_chars: int = 1200  # cap on the rendered block the planner/verifier/generator read
-    result_chars: int = 400  # cap on one tool result as stored
+    budget_chars: int  # cap on the rendered block the planner/verifier/generator read
+    result_chars: int  # cap on one tool result as stored
     records: list[TurnRecord] = field(default_factory=list)
 
     def add(self, sub_goal: str, tool: str, command: str, result: str, error: str = "",

@@ -43,7 +43,7 @@ from agentflow import LLM, AgentSystem, agent_config, load_model
 from benchmarks import load_benchmark
 from config import ConfigError, load_config
 from eval import evaluate
-from flow_grpo import build_rows, group_advantages, policy_update, zero_variance_groups
+from flow_grpo import LossConfig, build_rows, group_advantages, policy_update, zero_variance_groups
 from judge import score_item
 from report import write_report
 from tools import build_tools
@@ -155,15 +155,13 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
         tr.advantage = a
     rows = build_rows(trajs, advantages)
 
-    # 5. Update on planner tokens only.
-    with torch.enable_grad():
-        upd = policy_update(model, ref, optimizer, rows, epochs=t["epochs"], minibatches=t["minibatches"],
-                            max_grad_norm=t["max_grad_norm"], seed=seed, scheduler=scheduler,
-                            temperature=cfg["agent"]["planner"]["temperature"], pad_id=agent.planner.pad_id,
-                            eps_low=t["eps_low"], eps_high=t["eps_high"], beta=t["beta"],
-                            micro_batch=t["micro_batch"], first_tokens=agent.planner_first_tokens,
-                            first_temperature=agent.planner_params.first_temperature,
-                            autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
+    # 5. Update on planner tokens only, scored under the very SamplingParams the planner
+    #    sampled with (temperatures, tool restriction), so the loss is on-policy.
+    upd = policy_update(model, ref, optimizer, rows, agent.planner_params,
+                        LossConfig(t["eps_low"], t["eps_high"], t["beta"]), agent.planner.pad_id,
+                        epochs=t["epochs"], minibatches=t["minibatches"], max_grad_norm=t["max_grad_norm"],
+                        seed=seed, scheduler=scheduler, micro_batch=t["micro_batch"],
+                        autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
     t3 = time.time()
 
     with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:

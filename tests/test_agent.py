@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from agentflow import AgentConfig, AgentSystem, SamplingParams, parse_plan
+from agentflow import AgentSystem, agent_config, parse_plan
+from config import load_config
 from tools import build_tools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,11 +17,11 @@ TOOLS = build_tools(NAMES)
 
 
 def make_agent(tiny_llm, **cfg) -> AgentSystem:
+    """The default agent config with short generations (a random model rambles), and `cfg`."""
     tools = build_tools(NAMES, {"corpus": str(ROOT / "data" / "corpus.jsonl"), "python_timeout_s": 3.0})
-    acfg = AgentConfig(executor=SamplingParams(0.0, max_new_tokens=12),
-                       generator=SamplingParams(0.0, max_new_tokens=8, stop=("\n",)),
-                       planner=SamplingParams(1.0, max_new_tokens=10, stop=("\n\n",)), **cfg)
-    return AgentSystem(tiny_llm, tiny_llm, tools, acfg)
+    overrides = ["agent.executor.max_new_tokens=12", "agent.generator.max_new_tokens=8",
+                 "agent.planner.max_new_tokens=10"] + [f"agent.{k}={v}" for k, v in cfg.items()]
+    return AgentSystem(tiny_llm, tiny_llm, tools, agent_config(load_config(None, overrides)["agent"]))
 
 
 def test_parse_plan_is_tolerant():
@@ -46,7 +47,7 @@ def test_loop_runs_every_stage_and_records_it(tiny_llm):
         assert modules.count("planner") == len(tr.turns) and modules[-1] == "generator"
         for turn, rec in zip(tr.turns, tr.memory.records):
             # The constrained first token picks a tool: every plan names one.
-            assert turn.action_ids[0] in agent.planner_first_tokens
+            assert turn.action_ids[0] in agent.planner_params.first_tokens
             assert rec.tool in NAMES
             assert len(turn.action_ids) == len(turn.logprobs) > 0
             assert turn.prompt_ids[-2:] == tiny_llm.tok.encode("Tool:", add_special_tokens=False)[-2:]
@@ -62,8 +63,8 @@ def test_logged_ids_reproduce_the_samplers_logprobs(tiny_llm):
     with torch.no_grad():
         logits = tiny_llm.model(torch.tensor([turn.prompt_ids + turn.action_ids])).logits[0].float()
     lp = torch.log_softmax(logits / agent.planner_params.temperature, -1)
-    first = logits[len(turn.prompt_ids) - 1, list(agent.planner_first_tokens)]
-    ref0 = first[agent.planner_first_tokens.index(turn.action_ids[0])] - torch.logsumexp(first, -1)
+    first = logits[len(turn.prompt_ids) - 1, list(agent.planner_params.first_tokens)]
+    ref0 = first[agent.planner_params.first_tokens.index(turn.action_ids[0])] - torch.logsumexp(first, -1)
     assert abs(ref0.item() - turn.logprobs[0]) < 1e-4  # restricted softmax over tool tokens
     for j in range(1, len(turn.action_ids)):
         assert abs(lp[len(turn.prompt_ids) - 1 + j, turn.action_ids[j]].item() - turn.logprobs[j]) < 1e-4
@@ -97,7 +98,7 @@ def test_force_tool_and_code_start(tiny_llm):
     command that runs. A random tiny model would otherwise pick any tool and any code."""
     agent = make_agent(tiny_llm, max_turns=2, force_tool="Python_Coder", code_start="print(")
     forced = tiny_llm.tok.encode(" Python_Coder", add_special_tokens=False)[0]
-    assert agent.planner_first_tokens == (forced,)
+    assert agent.planner_params.first_tokens == (forced,)
     trajs = agent.rollout(["Compute 48213 * 9127.", "When was Velmora founded?"], seed=5)
     records = [r for tr in trajs for r in tr.memory.records]
     assert records and all(r.tool == "Python_Coder" for r in records)

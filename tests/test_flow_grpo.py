@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from agentflow import LLM, PlannerTurn, SamplingParams, Trajectory
-from flow_grpo import (TurnRow, accumulate_gradients, build_rows, flow_grpo_loss, group_advantages,
-                       token_logprobs, zero_variance_groups)
+from flow_grpo import (LossConfig, TurnRow, accumulate_gradients, build_rows, flow_grpo_loss, group_advantages,
+                       reference_objective, token_logprobs, zero_variance_groups)
 from memory import Memory
 
 EPS_LO, EPS_HI, TEMP = 0.2, 0.3, 0.8
@@ -19,7 +19,7 @@ def make_trajectories(llm: LLM, n_groups=2, G=3, seed=0, first_tokens=(), first_
     rnd = random.Random(seed)
     trajs = []
     for q in range(n_groups * G):
-        tr = Trajectory(f"query {q // G}", Memory())
+        tr = Trajectory(f"query {q // G}", Memory(1200, 400))
         for t in range(rnd.randint(1, 3)):
             prompt = llm.chat_ids("Plan the step.", f"Question {q // G}: " + "word " * rnd.randint(1, 12), "Tool:")
             s = llm.sample([prompt], SamplingParams(TEMP, max_new_tokens=rnd.randint(2, 7),
@@ -41,28 +41,6 @@ def rows_for(llm, rewards, G=3, seed=0, perturb=0.0):
     return trajs, rows
 
 
-def naive_objective(model, ref, trajs, advantages, beta):
-    """J written exactly as in the paper, one python loop per average."""
-    N = len(trajs)
-    J = 0.0
-    for tr, A in zip(trajs, advantages):
-        T_i = len(tr.turns)
-        for turn in tr.turns:
-            seq = torch.tensor([turn.prompt_ids + turn.action_ids])
-            lp_all = torch.log_softmax(model(seq).logits[0].float() / TEMP, -1)  # [L, V]
-            with torch.no_grad():
-                ref_all = torch.log_softmax(ref(seq).logits[0].float() / TEMP, -1)
-            n_a = len(turn.action_ids)
-            for j, tok in enumerate(turn.action_ids):
-                pos = len(turn.prompt_ids) - 1 + j
-                lp, old, lr = lp_all[pos, tok], turn.logprobs[j], ref_all[pos, tok]
-                rho = torch.exp(lp - old)
-                term = torch.minimum(rho * A, torch.clamp(rho, 1 - EPS_LO, 1 + EPS_HI) * A)
-                kl = torch.exp(lr - lp) - (lr - lp) - 1
-                J = J + (term - beta * kl) / (N * T_i * n_a)
-    return J
-
-
 def assert_grads_close(ga, gb, tol=1e-4):
     """Gradients equal up to float noise: each tensor's error is small next to its norm
     (padding and batch shape change the order of float sums, nothing more)."""
@@ -75,8 +53,12 @@ def grads(model):
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
-def loss_kw(llm, beta):
-    return dict(temperature=TEMP, pad_id=llm.pad_id, eps_low=EPS_LO, eps_high=EPS_HI, beta=beta)
+SAMPLING = SamplingParams(TEMP, max_new_tokens=8)  # what make_trajectories sampled with (lengths aside)
+
+
+def loss_args(llm, beta):
+    """accumulate_gradients' (sampling, loss config, pad id) for these tests."""
+    return SAMPLING, LossConfig(EPS_LO, EPS_HI, beta), llm.pad_id
 
 
 @pytest.fixture()
@@ -125,10 +107,10 @@ def test_batched_loss_and_gradient_equal_naive_loop(policy):
             k += 1
     adv = group_advantages(rewards, 3)
     llm.model.zero_grad()
-    st = accumulate_gradients(llm.model, ref, rows, micro_batch=64, **loss_kw(llm, beta=0.1))
+    st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.1), micro_batch=64)
     g_batched = grads(llm.model)
     llm.model.zero_grad()
-    J = naive_objective(llm.model, ref, trajs, adv, beta=0.1)
+    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.1))
     (-J).backward()
     g_naive = grads(llm.model)
     assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
@@ -142,7 +124,7 @@ def test_micro_batching_changes_nothing(policy):
     results = []
     for mb in (1, 3, 64):
         llm.model.zero_grad()
-        st = accumulate_gradients(llm.model, ref, rows, micro_batch=mb, **loss_kw(llm, beta=0.05))
+        st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.05), micro_batch=mb)
         results.append((st["loss"], grads(llm.model)))
     for loss, g in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5, abs=1e-7)
@@ -154,26 +136,38 @@ def test_zero_variance_groups_give_zero_policy_gradient(policy):
     _, rows = rows_for(llm, [1, 1, 1, 0, 0, 0], seed=2)
     assert all(r.advantage == 0 for r in rows)
     llm.model.zero_grad()
-    accumulate_gradients(llm.model, ref, rows, **loss_kw(llm, beta=0.0))
+    accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.0))
     assert all(float(g.abs().max()) == 0.0 for g in grads(llm.model))
 
 
-def test_only_action_tokens_get_gradient(policy):
+@pytest.mark.parametrize("fast", [False, True])
+def test_only_action_tokens_get_gradient(policy, fast):
     """d(-J)/d logits is exactly zero at every position that does not score an action token."""
     llm, ref = policy
     _, rows = rows_for(llm, [1, 0, 0, 1, 0, 1], seed=3)
-    logp, logits, mask = token_logprobs(llm.model, rows, TEMP, llm.pad_id)
-    logits.retain_grad()
+    outputs = []  # every output of the lm_head (logits), kept for their gradients
+
+    def keep(module, inputs, out):
+        if out.requires_grad:
+            out.retain_grad()
+        outputs.append(out)
+
+    hook = llm.model.lm_head.register_forward_hook(keep)
+    try:
+        logp, _, mask = token_logprobs(llm.model, rows, SAMPLING, llm.pad_id, fast)
+    finally:
+        hook.remove()
     old = torch.zeros_like(logp)
     for i, r in enumerate(rows):
         old[i, mask.shape[1] - len(r.old_logprobs):] = torch.tensor(r.old_logprobs)
     loss, _ = flow_grpo_loss(logp, old, logp.detach(), torch.tensor([r.advantage for r in rows]),
-                             torch.tensor([r.weight for r in rows]), mask, EPS_LO, EPS_HI, 0.0)
+                             torch.tensor([r.weight for r in rows]), mask, LossConfig(EPS_LO, EPS_HI, 0.0))
     loss.backward()
-    g = logits.grad.abs().sum(-1)  # [R, A]
+    # Per row, the gradient reaching each position's logits (the forwards that ran with
+    # gradient: all of them on the plain path; the row groups on the fast path).
+    got = sum(int((o.grad.abs().sum(-1) > 0).sum()) for o in outputs if o.grad is not None)
     assert (mask == 0).any(), "some rows must be shorter than the longest action"
-    assert float(g[mask == 0].max()) == 0.0
-    assert float(g[mask == 1].min()) > 0.0
+    assert got == int(mask.sum()), "exactly one position per action token has a gradient"
 
 
 def test_first_update_gradient_is_reinforce(policy):
@@ -182,10 +176,10 @@ def test_first_update_gradient_is_reinforce(policy):
     llm, ref = policy
     trajs, rows = rows_for(llm, [1, 0, 0, 0, 1, 0], seed=4)
     llm.model.zero_grad()
-    accumulate_gradients(llm.model, ref, rows, **loss_kw(llm, beta=0.0))
+    accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.0))
     g_loss = grads(llm.model)
     llm.model.zero_grad()
-    logp, _, mask = token_logprobs(llm.model, rows, TEMP, llm.pad_id)
+    logp, _, mask = token_logprobs(llm.model, rows, SAMPLING, llm.pad_id)
     n_tok = mask.sum(-1)
     w = torch.tensor([r.weight * r.advantage for r in rows]) / n_tok  # [R]
     (-(w[:, None] * logp * mask).sum()).backward()
@@ -196,10 +190,10 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
     llm, _ = policy
     torch.manual_seed(0)  # the reference's perturbation and the direction: the same whatever ran before
     _, rows = rows_for(llm, [1, 0, 1, 1, 0, 0], seed=5)
-    kw = dict(temperature=TEMP, pad_id=llm.pad_id, eps_low=EPS_LO, eps_high=EPS_HI)
+    kl_only = (SAMPLING, LossConfig(EPS_LO, EPS_HI, 1.0), llm.pad_id)
     # Policy == reference: the KL term and its gradient vanish; only the policy term remains.
     same = copy.deepcopy(llm.model).requires_grad_(False)
-    st = accumulate_gradients(llm.model, same, rows, beta=1.0, **kw)
+    st = accumulate_gradients(llm.model, same, rows, *kl_only)
     assert abs(st["kl"]) < 1e-6
     # Finite difference of the KL term along one direction of one weight matrix.
     ref = copy.deepcopy(llm.model).requires_grad_(False)
@@ -210,14 +204,14 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
 
     def kl_value():
         with torch.no_grad():
-            logp, _, mask = token_logprobs(llm.model, zero_adv, TEMP, llm.pad_id)
-            ref_lp, _, _ = token_logprobs(ref, zero_adv, TEMP, llm.pad_id)
+            logp, _, mask = token_logprobs(llm.model, zero_adv, SAMPLING, llm.pad_id)
+            ref_lp, _, _ = token_logprobs(ref, zero_adv, SAMPLING, llm.pad_id)
             loss, _ = flow_grpo_loss(logp, logp, ref_lp, torch.zeros(len(rows)),
-                                     torch.tensor([r.weight for r in zero_adv]), mask, EPS_LO, EPS_HI, 1.0)
+                                     torch.tensor([r.weight for r in zero_adv]), mask, kl_only[1])
         return loss.double().item()  # = beta * KL with A = 0
 
     llm.model.zero_grad()
-    accumulate_gradients(llm.model, ref, zero_adv, beta=1.0, **kw)
+    accumulate_gradients(llm.model, ref, zero_adv, *kl_only)
     W = llm.model.model.layers[0].mlp.down_proj.weight
     direction = torch.randn_like(W)
     analytic = float((W.grad * direction).sum())
@@ -234,19 +228,46 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
 
 
 def test_trainer_logprobs_equal_sampler_logprobs(tiny_llm):
-    allowed = tuple(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
-                    for n in ("Python_Coder", "Local_Search", "Base_Generator"))
+    allowed = tuple(sorted(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
+                           for n in ("Python_Coder", "Local_Search", "Base_Generator")))
     # plain; the tool restriction; the restriction with its own temperature (config.yaml's
-    # exploration of tools): the first token's logprob changes, and both sides agree.
-    for first, t_first in (((), 0.0), (allowed, 0.0), (allowed, 2.5)):
+    # exploration of tools); a first temperature alone (a larger model without the
+    # restriction): the first token's logprob changes, and both sides agree.
+    for first, t_first in (((), 0.0), (allowed, 0.0), (allowed, 2.5), ((), 2.5)):
         trajs = make_trajectories(tiny_llm, 2, 3, seed=6, first_tokens=first, first_temperature=t_first)
         rows = build_rows(trajs, [0.0] * len(trajs))
+        sampling = SamplingParams(TEMP, 8, first_tokens=first, first_temperature=t_first)
         with torch.no_grad():
-            logp, _, mask = token_logprobs(tiny_llm.model, rows, TEMP, tiny_llm.pad_id, first, t_first)
-            plain = token_logprobs(tiny_llm.model, rows, TEMP, tiny_llm.pad_id, first)[0]
+            logp, _, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id)
+            slow = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, fast=False)[0]
+            plain = token_logprobs(tiny_llm.model, rows, SamplingParams(TEMP, 8, first_tokens=first),
+                                   tiny_llm.pad_id)[0]
+        assert float((logp - slow).abs().max()) < 1e-4  # the fast path is the plain path
         for i, r in enumerate(rows):
             got = logp[i, mask.shape[1] - len(r.action_ids):].tolist()
             assert max(abs(a - b) for a, b in zip(got, r.old_logprobs)) < 1e-4
         first_col = [mask.shape[1] - len(r.action_ids) for r in rows]
         moved = max(abs(logp[i, c] - plain[i, c]).item() for i, c in enumerate(first_col))
         assert (moved > 1e-3) == (t_first > 0)
+
+
+def test_reference_objective_scores_the_tool_restriction(policy):
+    """The batched loss equals J written as loops also when the first token is restricted
+    and drawn at its own temperature (the default config's planner)."""
+    llm, ref = policy
+    allowed = tuple(sorted(llm.tok.encode(" " + n, add_special_tokens=False)[0]
+                           for n in ("Python_Coder", "Local_Search", "Base_Generator")))
+    sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
+    trajs = make_trajectories(llm, 2, 3, seed=7, first_tokens=allowed, first_temperature=2.0)
+    rewards = [1, 0, 0, 1, 1, 0]
+    adv = group_advantages(rewards, 3)
+    rows = build_rows(trajs, adv)
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
+    llm.model.zero_grad()
+    st = accumulate_gradients(llm.model, ref, rows, sampling, cfg, llm.pad_id)
+    g_batched = grads(llm.model)
+    llm.model.zero_grad()
+    J = reference_objective(llm.model, ref, trajs, adv, sampling, cfg)
+    (-J).backward()
+    assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
+    assert_grads_close(g_batched, grads(llm.model))

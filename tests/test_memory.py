@@ -36,7 +36,7 @@ def test_budget_is_respected_and_oldest_turns_go_first():
 
 
 def test_each_trajectory_has_its_own_memory():
-    a, b = Memory(), Memory()
+    a, b = Memory(1200, 400), Memory(1200, 400)
     a.add("x", "Base_Generator", "q", "r")
     assert b.records == [] and b.render().startswith("(empty")
     assert a.records[0].turn == 1

@@ -94,13 +94,20 @@ def test_same_seed_same_tokens_and_sampled_logprobs_match(tiny_llm):
         assert max(abs(x - y) for x, y in zip(ref, s.logprobs)) < 1e-4
 
 
-def test_temperature_changes_distribution_and_top_k_1_is_greedy(tiny_llm):
-    prompts = prompts_for(tiny_llm)
-    greedy = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=6))
-    topk1 = tiny_llm.sample(prompts, SamplingParams(1.0, top_k=1, max_new_tokens=6), seed=3)
-    assert [s.ids for s in greedy] == [s.ids for s in topk1]
-    tiny_p = tiny_llm.sample(prompts, SamplingParams(1.0, top_p=1e-6, max_new_tokens=6), seed=3)
-    assert [s.ids for s in greedy] == [s.ids for s in tiny_p]
+def test_plain_path_equals_fast_path(tiny_llm):
+    """agentflow.py's plain prefill and decode (the reference a learner reads) against the
+    speedups.py path the sampler runs by default: the same greedy tokens and log-probs,
+    both equal to naive recomputation; sampling on the plain path is seeded too."""
+    plain = LLM(tiny_llm.model, tiny_llm.tok, fast=False)
+    prompts = prompts_for(tiny_llm) + prompts_for(tiny_llm)[:2]  # duplicates: the fast path runs them once
+    params = SamplingParams(0.0, max_new_tokens=10)
+    fast, slow = tiny_llm.sample(prompts, params), plain.sample(prompts, params)
+    for a, b in zip(fast, slow):
+        assert a.ids == b.ids and a.finish == b.finish
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    check_against_naive(plain, prompts_for(plain))
+    hot = SamplingParams(1.0, max_new_tokens=6)
+    assert [s.ids for s in plain.sample(prompts, hot, seed=3)] == [s.ids for s in plain.sample(prompts, hot, seed=3)]
 
 
 def test_stop_rules(tiny_llm):
@@ -167,7 +174,7 @@ def test_identical_prompts_are_prefilled_once(tiny_llm):
 
 
 def test_empty_batch(tiny_llm):
-    assert tiny_llm.sample([], SamplingParams()) == []
+    assert tiny_llm.sample([], SamplingParams(1.0, 4)) == []
 
 
 def test_roomy_cache_equals_dynamic_cache(tiny_llm):
@@ -176,7 +183,7 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
     and growth past its capacity."""
     from transformers import DynamicCache
 
-    from agentflow import prefill, roomy_cache
+    from speedups import prefill, roomy_cache
 
     model = tiny_llm.model
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (i + 1) for i in range(4)]  # shared prefix of 9
@@ -207,7 +214,7 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
 def test_linear_in_row_blocks_equals_nn_linear(b):
     """decode_step's _linear (W @ x^T, by blocks of output rows for a wide layer such as
     the lm_head) against nn.Linear, with a bias and a last block that is not full."""
-    from agentflow import ROW_BLOCK, _linear
+    from speedups import ROW_BLOCK, _linear
 
     torch.manual_seed(0)
     for out in (40, 5 * ROW_BLOCK + 7):  # one product; blocks
@@ -238,7 +245,7 @@ def tiny_qwen2(vocab_size: int):
 def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
     """decode_step (the decoder written out for one position) gives the logits of the
     model's own forward, step after step, on left-padded rows behind a shared prefix."""
-    from agentflow import decode_step, prefill, roomy_cache
+    from speedups import decode_step, prefill, roomy_cache
 
     model = tiny_llm.model if arch == "llama" else tiny_qwen2(tiny_llm.model.config.vocab_size)
     assert model.config.model_type == arch
@@ -262,13 +269,16 @@ def test_sampler_with_and_without_decode_step(tiny_llm):
     sample the same tokens with the same log-probs."""
     prompts = prompts_for(tiny_llm)
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
-    assert tiny_llm.fast_decode
+    from agentflow import decode
+    from speedups import decode_step
+
+    assert tiny_llm.decode is decode_step
     fast = tiny_llm.sample(prompts, params, seed=7)
-    tiny_llm.fast_decode = False
+    tiny_llm.decode = decode
     try:
         general = tiny_llm.sample(prompts, params, seed=7)
     finally:
-        tiny_llm.fast_decode = True
+        tiny_llm.decode = decode_step
     for a, b in zip(fast, general):
         assert a.ids == b.ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
@@ -278,7 +288,7 @@ def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
     """Inverse-CDF sampling: frequencies over 40k draws match w / sum(w) within 5 sigma,
     zero weights (top-k / top-p / first-token cuts) are never drawn, and a uniform that
     rounds up to the total still lands on a token with weight."""
-    from agentflow import draw
+    from speedups import draw
 
     w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])  # unnormalised, zeros inside and at both ends
     p = w / w.sum()
@@ -291,7 +301,7 @@ def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
 
 
 def test_draw_edge_uniform_at_the_total(monkeypatch):
-    from agentflow import draw
+    from speedups import draw
 
     w = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 4.0]])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1]))  # u = the row's total
@@ -303,7 +313,7 @@ def test_length_groups_is_the_cheapest_split():
     import itertools
     import random
 
-    from agentflow import length_groups
+    from speedups import length_groups
 
     def cost(groups, lengths, c):
         return sum(len(g) * max(lengths[r] for r in g) + c for g in groups)
@@ -332,8 +342,8 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
     (and, with `families`, rows that share more run that part once per family); the
     logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
     of the one left-padded batch where each row computes all of its own tokens."""
-    import agentflow
-    from agentflow import decode_step, length_groups, prefill, roomy_cache, shared_families
+    import speedups
+    from speedups import decode_step, length_groups, prefill, roomy_cache, shared_families
 
     model = tiny_llm.model
     if families:  # rows 0, 1 share 12 more tokens, rows 2, 3 share 10; row 4 shares nothing more
@@ -356,8 +366,8 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
     try:
         for name in ("shared", "one batch"):
             if name == "one batch":
-                monkeypatch.setattr(agentflow, "length_groups", lambda lengths: [list(range(len(lengths)))])
-                monkeypatch.setattr(agentflow, "shared_families", lambda seqs, shareable, P: [])
+                monkeypatch.setattr(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))])
+                monkeypatch.setattr(speedups, "shared_families", lambda seqs, shareable, P: [])
             tokens.clear()
             with torch.no_grad():
                 cache = roomy_cache()
@@ -392,18 +402,18 @@ def test_sampler_with_families_equals_naive(tiny_llm):
     """Verifier-like prompts: the G rows of a query share the question, then their
     memories differ. The sampler runs each question once; greedy tokens and log-probs
     are those of recomputing every row alone."""
-    from agentflow import _common_prefix_len, shared_families
+    from speedups import common_prefix_len, shared_families
 
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
-    fams = shared_families(q, [len(p) - 1 for p in q], _common_prefix_len(q))
+    fams = shared_families(q, [len(p) - 1 for p in q], common_prefix_len(q))
     assert [rows for rows, _ in fams] == [[0, 1], [2, 3]]  # beyond the prefix all four share
     check_against_naive(tiny_llm, q, n=8)
 
 
 def test_shared_families():
     """Rows group by what they share beyond the common prefix P, within `shareable`."""
-    from agentflow import MIN_SHARED, shared_families
+    from speedups import MIN_SHARED, shared_families
 
     q = list(range(100, 100 + MIN_SHARED + 4))  # a question: MIN_SHARED + 4 tokens
     seqs = [[1] * 10 + q + [7], [1] * 10 + [2] * 30, [1] * 10 + q + [8, 9], [1] * 10 + q + [7, 5]]
@@ -421,14 +431,16 @@ def test_a_model_decode_step_does_not_cover(tiny_llm):
     forward in the same loop still equal full recomputation."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from agentflow import length_groups
+    from speedups import length_groups
 
     torch.manual_seed(0)
     tok = tiny_llm.tok
     cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    from agentflow import decode
+
     llm = LLM(GPT2LMHeadModel(cfg).eval(), tok)
-    assert not llm.fast_decode
+    assert llm.decode is decode
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
     assert len(length_groups([len(p) - 8 for p in prompts])) == 2
     check_against_naive(llm, prompts, n=5)
