@@ -1,7 +1,7 @@
 """Benchmark of the engine: how fast the hand-written sampler makes rollouts, and why.
 
-    python bench.py                                  # the full run, 2-core CPU: ~15 min
-    python bench.py --quick                          # sequential rollouts on 8, not 32: ~12 min
+    python bench.py                                  # the full run
+    python bench.py --quick                          # sequential rollouts on 8, not 32
     python bench.py --device cuda --dtype bfloat16   # the same code on a GPU
     python bench.py --threads 1                      # when another job shares the CPU
 
@@ -10,12 +10,13 @@ machine"), so the engine's speed decides how many Flow-GRPO steps a run gets. Me
 side by side in one run, on the default model (SmolLM2-135M), each figure as `name: value`:
 
   1. sampler vs `model.generate`: new tokens/s at batch 1, 8, 32, 64, exactly 64 new
-     tokens per row on both sides (plain sampling, temperature 1, no top-p / top-k, EOS
+     tokens per row on both sides (plain sampling, temperature 1, EOS
      made impossible), the same chat prompts of different lengths. Wall time includes
      the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
      >= 150 tokens/s at b64. Then the sampler once more with one of its parts swapped
-     for the generic one, to show what each part saves: the general HF forward for
-     each new token instead of speedups.decode_step (b32); the prompts prefilled as
+     for the generic one, to show what each part saves: the model's own forward for
+     each new token instead of the decode way speedups.choose_decode measured fastest
+     on this machine (b32); the whole plain path of agentflow.py (b32); the prompts prefilled as
      one left-padded batch instead of in groups of similar length (b32, prefill only);
      torch.multinomial instead of the inverse-CDF speedups.draw (b64); the lm_head as
      one product instead of blocks of speedups.ROW_BLOCK output rows (b64); every
@@ -143,15 +144,22 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         out[f"sampler_vs_generate_b{B}"] = t_hf / t_ours
         for k in ("sampler_tokens_per_s", "generate_tokens_per_s", "sampler_vs_generate"):
             show(f"{k}_b{B}", out[f"{k}_b{B}"])
-    # The same sampler with each new token run through the general HF forward instead of
-    # speedups.decode_step: what writing the decoder out for one position brings. b32.
+    # The same sampler with each new token run through the model's own forward (the plain
+    # decode) instead of the way speedups.choose_decode measured fastest here. b32.
     B = 32
-    if no_eos.decode is speedups.decode_step:
-        no_eos.decode = agentflow.decode
-        t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-        no_eos.decode = speedups.decode_step
-        show(f"sampler_hf_forward_tokens_per_s_b{B}", B * NEW / t_hf_fwd)
-        show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
+    print(f"# decode way chosen for this machine: {getattr(no_eos.decode, '__name__', no_eos.decode)}")
+    chosen, no_eos.decode = no_eos.decode, agentflow.decode
+    t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
+    no_eos.decode = chosen
+    show(f"sampler_hf_forward_tokens_per_s_b{B}", B * NEW / t_hf_fwd)
+    show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
+    # The whole plain path of agentflow.py (LLM(fast=False): common prefix once, one padded
+    # batch, the model's own forward, torch.multinomial) against the default fast path.
+    plain = copy.copy(no_eos)
+    plain.fast, plain.decode = False, agentflow.decode
+    t_plain = clock(device, lambda: plain.sample(prompts[:B], params, seed=B), REPEAT)
+    show(f"sampler_plain_path_tokens_per_s_b{B}", B * NEW / t_plain)
+    show(f"fast_path_speedup_b{B}", t_plain / (B * NEW / out[f"sampler_tokens_per_s_b{B}"]))
     # Prefill in groups of similar length (speedups.length_groups) vs one left-padded
     # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
     with patch.object(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))]):
@@ -166,7 +174,7 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     show(f"sampler_multinomial_tokens_per_s_b{B}", B * NEW / t_mult)
     show(f"draw_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_mult))
     # The vocabulary projection as one [V, h] x [h, b] product instead of blocks of
-    # ROW_BLOCK output rows (speedups._linear): the same numbers, b64.
+    # ROW_BLOCK output rows (speedups._linear_wx): the same numbers, b64.
     with patch.object(speedups, "ROW_BLOCK", 10 ** 9):
         t_head = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
     show(f"sampler_lm_head_one_product_tokens_per_s_b{B}", B * NEW / t_head)
@@ -267,7 +275,7 @@ def linear_only(llm: LLM, args, tp: dict) -> None:
         xs = {k: torch.randn(B, k, device=args.device, dtype=linears[0].weight.dtype)
               for k in {m.in_features for m in linears}}  # [B, in] per input width
         with torch.no_grad():
-            for name, fn in (("", speedups._linear), ("_hf_layout", lambda x, m: m(x))):
+            for name, fn in (("", speedups._linear_wx), ("_hf_layout", lambda x, m: m(x))):
                 def step():  # every linear of one decode step: 30 x (q, k, v, o, gate, up, down) + lm_head
                     for m in linears:
                         fn(xs[m.in_features], m)  # [B, in] -> [B, out]

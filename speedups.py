@@ -19,6 +19,12 @@ Nothing here changes WHAT is computed; each part changes how much work it takes:
 Measured effects, machine by machine, are in bench.py's output and docs/LOG.md.
 """
 
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -324,12 +330,212 @@ DECODE_STEP_MODELS = ("llama", "qwen2")
 
 
 def choose_decode(model):
-    """decode_step if it covers this model (else None: the caller's plain decode)."""
+    """The fastest way this machine decodes one token for `model`: decode_step (linears
+    as W @ x^T), decode_step_xw (linears as x @ W^T, nn.Linear's layout), or None (the
+    caller's plain decode, the model's own forward). A layout that wins on one CPU loses
+    on another, so it is measured: once per machine, torch version, thread count, device,
+    dtype and model shape, then remembered in the cache folder (engine.json), so every
+    later run on this machine takes the same path and stays repeatable. The
+    AGENTFLOW_DECODE environment variable (plain | wx | xw) overrides the measurement."""
     covered = model.config.model_type in DECODE_STEP_MODELS and not getattr(model.config, "use_sliding_window", False)
-    return decode_step if covered else None
+    if not covered:
+        return None
+    ways = {"plain": None, "wx": decode_step, "xw": decode_step_xw}
+    forced = os.environ.get("AGENTFLOW_DECODE", "")
+    if forced:
+        if forced not in ways:
+            raise ValueError(f"AGENTFLOW_DECODE must be one of {', '.join(ways)}, not {forced!r}")
+        return ways[forced]
+    key = _machine_key(model)
+    if key not in _CHOICES:
+        _CHOICES.update(_read_choices())
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure_decode(model, ways)
+        _write_choices()
+        print(f"decode step measured on this machine: {_CHOICES[key]} ({key}); "
+              f"remembered in {_choices_path()}", flush=True)
+    return ways[_CHOICES[key]]
 
 
-def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+_CHOICES: dict[str, str] = {}  # machine key -> the decode way it measured fastest
+
+
+def _choices_path() -> Path:
+    return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow")) / "engine.json"
+
+
+def _machine_key(model) -> str:
+    p = next(model.parameters())
+    cpu = platform.processor() or platform.machine()
+    try:  # the model name of the first CPU: what decides which layout its BLAS runs faster
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if p.device.type == "cuda":
+        cpu = torch.cuda.get_device_name(p.device)
+    c = model.config
+    return (f"{cpu} | torch {torch.__version__} | threads {torch.get_num_threads()} | {p.device.type} {p.dtype} | "
+            f"{c.model_type} h{c.hidden_size} L{c.num_hidden_layers} V{c.vocab_size}")
+
+
+def _read_choices() -> dict:
+    try:
+        return json.loads(_choices_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_choices() -> None:
+    path = _choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**_read_choices(), **_CHOICES}, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measure again next time, nothing else changes
+        pass
+
+
+@torch.no_grad()
+def _measure_decode(model, ways: dict, rows: int = 32, context: int = 8, rounds: int = 5) -> str:
+    """Time one decode step of `rows` rows behind a short cache with each way, the ways
+    interleaved round by round and each way's fastest round kept (a busy machine slows
+    single calls, never speeds them up); the fastest way wins, and a way within 3% of
+    the plain one loses to it."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (rows, context + 1), generator=gen).to(dev)  # [b, c+1]
+    cache = DynamicCache()
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    tok, pos = ids[:, context], torch.full((rows, 1), context, device=dev)  # [b], [b, 1]
+    mask = torch.ones((rows, context + 1), dtype=torch.long, device=dev)  # [b, c+1]
+    plain = lambda m, t, p, k, c: m(input_ids=t[:, None], attention_mask=k, position_ids=p, cache=c, use_cache=True)
+    best = {name: float("inf") for name in ways}
+    for r in range(rounds + 1):  # round 0 warms every way up
+        for name, fn in ways.items():
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            (fn or plain)(model, tok, pos, mask, cache)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                best[name] = min(best[name], time.perf_counter() - t0)
+            cache.crop(-1)  # drop the new position: back to the prefix for the next timing
+    fastest = min(best, key=best.get)
+    return fastest if best[fastest] < 0.97 * best["plain"] else "plain"
+
+
+# ----------------------------------------------------------------------------------------
+# The decode step
+
+
+# Decoders whose layers are exactly what decode_step writes out: pre-norm blocks of RMSNorm,
+# attention with rotary embeddings and grouped KV heads, and a gated MLP. (Qwen2 adds
+# biases to q/k/v; the module's own bias is used. Sliding-window attention is not
+# written out: Qwen2.5 configs leave it off.) Anything else uses the HF forward.
+DECODE_STEP_MODELS = ("llama", "qwen2")
+
+
+def choose_decode(model):
+    """The fastest way this machine decodes one token for `model`: decode_step (linears
+    as W @ x^T), decode_step_xw (linears as x @ W^T, nn.Linear's layout), or None (the
+    caller's plain decode, the model's own forward). A layout that wins on one CPU loses
+    on another, so it is measured: once per machine, torch version, thread count, device,
+    dtype and model shape, then remembered in the cache folder (engine.json), so every
+    later run on this machine takes the same path and stays repeatable. The
+    AGENTFLOW_DECODE environment variable (plain | wx | xw) overrides the measurement."""
+    covered = model.config.model_type in DECODE_STEP_MODELS and not getattr(model.config, "use_sliding_window", False)
+    if not covered:
+        return None
+    ways = {"plain": None, "wx": decode_step, "xw": decode_step_xw}
+    forced = os.environ.get("AGENTFLOW_DECODE", "")
+    if forced:
+        if forced not in ways:
+            raise ValueError(f"AGENTFLOW_DECODE must be one of {', '.join(ways)}, not {forced!r}")
+        return ways[forced]
+    key = _machine_key(model)
+    if key not in _CHOICES:
+        _CHOICES.update(_read_choices())
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure_decode(model, ways)
+        _write_choices()
+        print(f"decode step measured on this machine: {_CHOICES[key]} ({key}); "
+              f"remembered in {_choices_path()}", flush=True)
+    return ways[_CHOICES[key]]
+
+
+_CHOICES: dict[str, str] = {}  # machine key -> the decode way it measured fastest
+
+
+def _choices_path() -> Path:
+    return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow")) / "engine.json"
+
+
+def _machine_key(model) -> str:
+    p = next(model.parameters())
+    cpu = platform.processor() or platform.machine()
+    try:  # the model name of the first CPU: what decides which layout its BLAS runs faster
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if p.device.type == "cuda":
+        cpu = torch.cuda.get_device_name(p.device)
+    c = model.config
+    return (f"{cpu} | torch {torch.__version__} | threads {torch.get_num_threads()} | {p.device.type} {p.dtype} | "
+            f"{c.model_type} h{c.hidden_size} L{c.num_hidden_layers} V{c.vocab_size}")
+
+
+def _read_choices() -> dict:
+    try:
+        return json.loads(_choices_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_choices() -> None:
+    path = _choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**_read_choices(), **_CHOICES}, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measure again next time, nothing else changes
+        pass
+
+
+@torch.no_grad()
+def _measure_decode(model, ways: dict, rows: int = 32, context: int = 8, repeat: int = 3) -> str:
+    """Time one decode step of `rows` rows behind a short cache with each way (the median
+    of `repeat` after a warm-up); the fastest wins, ties (within 3%) go to the plain way."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (rows, context + 1), generator=gen).to(dev)  # [b, c+1]
+    cache = DynamicCache()
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    tok, pos = ids[:, context], torch.full((rows, 1), context, device=dev)  # [b], [b, 1]
+    mask = torch.ones((rows, context + 1), dtype=torch.long, device=dev)  # [b, c+1]
+    times = {}
+    for name, fn in ways.items():
+        run = fn or (lambda m, t, p, k, c: m(input_ids=t[:, None], attention_mask=k, position_ids=p,
+                                            cache=c, use_cache=True).logits)
+        spent = []
+        for i in range(repeat + 1):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run(model, tok, pos, mask, cache)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            spent.append(time.perf_counter() - t0)
+            cache.crop(-1)  # drop the new position: back to the prefix for the next timing
+        times[name] = sorted(spent[1:])[len(spent[1:]) // 2]
+    best = min(times, key=times.get)
+    return best if times[best] < 0.97 * times["plain"] else "plain"
+
+
+def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
+                linear=None) -> torch.Tensor:
     """One new token per row through a Llama or Qwen2 decoder: logits [b, V].
 
     tok [b] the previous token of each row, pos [b, 1] its position, mask [b, S] the
@@ -338,15 +544,17 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     weights and modules (norms, rotary table, activation), minus what a general forward
     pays at every step: building a 4-D mask, dispatching attention, wrapping outputs.
     Two things can make it faster than the same arithmetic in the HF forward:
-      * every linear layer is computed as W @ x^T, not x @ W^T: the same product, but
-        some CPUs' BLAS runs the [out, in] x [in, b] shape much faster for a few dozen
-        rows, and others much slower (bench.py, `linear_only_*`); choose_decode picks;
+      * by default (`linear` None) every linear layer is computed as W @ x^T, not
+        x @ W^T: the same product, but some CPUs' BLAS runs the [out, in] x [in, b]
+        shape much faster for a few dozen rows, and others much slower (bench.py,
+        `linear_only_*`); decode_step_xw keeps nn.Linear's layout; choose_decode picks;
       * attention groups the query heads by their KV head ([b, kv, g, D] against
         [b, kv, S, D]), so grouped keys and values are read as they are in the cache,
         never repeated per query head.
     Same math as the HF forward, but not the same summation order: log-probs agree to
     ~1e-5 in fp32 (tests/test_sampler.py), greedy tokens are the same.
     """
+    mm = linear or _linear_wx  # one linear layer: [b, in] -> [b, out]
     dec = model.model
     b = tok.shape[0]
     x = dec.embed_tokens(tok)  # [b, h]
@@ -357,29 +565,34 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
         att = layer.self_attn
         D, kv = att.head_dim, att.config.num_key_value_heads
         h = layer.input_layernorm(x)  # [b, h]
-        q = _linear(h, att.q_proj).view(b, -1, 1, D)  # [b, H, 1, D]
-        k = _linear(h, att.k_proj).view(b, kv, 1, D)  # [b, kv, 1, D]
-        v = _linear(h, att.v_proj).view(b, kv, 1, D)
+        q = mm(h, att.q_proj).view(b, -1, 1, D)  # [b, H, 1, D]
+        k = mm(h, att.k_proj).view(b, kv, 1, D)  # [b, kv, 1, D]
+        v = mm(h, att.v_proj).view(b, kv, 1, D)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys, values = cache.update(k, v, i)  # [b, kv, S, D]: the new position written in place
         q = q.view(b, kv, -1, D)  # [b, kv, g, D]: the g query heads that share each KV head
         o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
                                                              scale=att.scaling)  # [b, kv, g, D]
-        x = x + _linear(o.reshape(b, -1), att.o_proj)  # [b, h]
+        x = x + mm(o.reshape(b, -1), att.o_proj)  # [b, h]
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
-        x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
-    return _linear(dec.norm(x), model.lm_head)  # [b, V]
+        x = x + mm(mlp.act_fn(mm(h, mlp.gate_proj)) * mm(h, mlp.up_proj), mlp.down_proj)
+    return mm(dec.norm(x), model.lm_head)  # [b, V]
 
 
-# Output rows of W per product in _linear. A vocabulary projection in one product writes
+# Output rows of W per product in _linear_wx. A vocabulary projection in one product writes
 # a [V, b] result far bigger than the CPU's cache before transposing it; in blocks, each
 # block's [1024, b] output stays in cache while it is transposed into place. The same
 # numbers bit for bit: a block is the same dot products.
 ROW_BLOCK = 1024
 
 
-def _linear(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+def decode_step_xw(model, tok, pos, mask, cache) -> torch.Tensor:
+    """decode_step with every linear as nn.Linear computes it, x @ W^T."""
+    return decode_step(model, tok, pos, mask, cache, linear=lambda x, lin: lin(x))
+
+
+def _linear_wx(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
     """lin(x) for x [b, in] -> [b, out], computed as (W [out, in] @ x^T [in, b])^T,
     by blocks of ROW_BLOCK output features when there are many (the lm_head)."""
     W = lin.weight  # [out, in]

@@ -212,16 +212,16 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
 
 @pytest.mark.parametrize("b", [1, 3, 64])
 def test_linear_in_row_blocks_equals_nn_linear(b):
-    """decode_step's _linear (W @ x^T, by blocks of output rows for a wide layer such as
+    """decode_step's _linear_wx (W @ x^T, by blocks of output rows for a wide layer such as
     the lm_head) against nn.Linear, with a bias and a last block that is not full."""
-    from speedups import ROW_BLOCK, _linear
+    from speedups import ROW_BLOCK, _linear_wx
 
     torch.manual_seed(0)
     for out in (40, 5 * ROW_BLOCK + 7):  # one product; blocks
         lin = torch.nn.Linear(24, out)
         x = torch.randn(b, 24)
         with torch.no_grad():
-            ours, ref = _linear(x, lin), lin(x)
+            ours, ref = _linear_wx(x, lin), lin(x)
         assert ours.shape == ref.shape == (b, out) and ours.is_contiguous()
         assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
@@ -264,24 +264,50 @@ def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
             tok, pos = hf.argmax(-1), pos + 1
 
 
-def test_sampler_with_and_without_decode_step(tiny_llm):
-    """Models decode_step does not cover use the HF forward in the same loop: both paths
-    sample the same tokens with the same log-probs."""
+def test_sampler_with_every_decode_way(tiny_llm):
+    """The plain decode (the model's own forward) and decode_step in both linear layouts
+    run in the same loop: they sample the same tokens with the same log-probs."""
+    from agentflow import decode
+    from speedups import decode_step, decode_step_xw
+
     prompts = prompts_for(tiny_llm)
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
-    from agentflow import decode
-    from speedups import decode_step
-
-    assert tiny_llm.decode is decode_step
-    fast = tiny_llm.sample(prompts, params, seed=7)
-    tiny_llm.decode = decode
+    chosen, results = tiny_llm.decode, []
     try:
-        general = tiny_llm.sample(prompts, params, seed=7)
+        for way in (decode, decode_step, decode_step_xw):
+            tiny_llm.decode = way
+            results.append(tiny_llm.sample(prompts, params, seed=7))
     finally:
-        tiny_llm.decode = decode_step
-    for a, b in zip(fast, general):
-        assert a.ids == b.ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        tiny_llm.decode = chosen
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert a.ids == b.ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_decode_way_is_measured_once_per_machine_and_remembered(tiny_llm, tmp_path, monkeypatch):
+    import speedups
+
+    monkeypatch.setenv("AGENTFLOW_HOME", str(tmp_path))
+    monkeypatch.setattr(speedups, "_CHOICES", {})
+    measured = []
+    monkeypatch.setattr(speedups, "_measure_decode", lambda model, ways: measured.append(1) or "xw")
+    assert speedups.choose_decode(tiny_llm.model) is speedups.decode_step_xw
+    assert measured == [1] and "xw" in (tmp_path / "engine.json").read_text()
+    monkeypatch.setattr(speedups, "_CHOICES", {})  # a new process: read from the file, not measured
+    assert speedups.choose_decode(tiny_llm.model) is speedups.decode_step_xw and measured == [1]
+    monkeypatch.setenv("AGENTFLOW_DECODE", "plain")
+    assert speedups.choose_decode(tiny_llm.model) is None
+    monkeypatch.setenv("AGENTFLOW_DECODE", "fastest")
+    with pytest.raises(ValueError, match="AGENTFLOW_DECODE"):
+        speedups.choose_decode(tiny_llm.model)
+
+
+def test_decode_measurement_names_a_way(tiny_llm):
+    import speedups
+
+    ways = {"plain": None, "wx": speedups.decode_step, "xw": speedups.decode_step_xw}
+    assert speedups._measure_decode(tiny_llm.model, ways, rows=4, rounds=1) in ways
 
 
 def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
@@ -440,7 +466,7 @@ def test_a_model_decode_step_does_not_cover(tiny_llm):
     from agentflow import decode
 
     llm = LLM(GPT2LMHeadModel(cfg).eval(), tok)
-    assert llm.decode is decode
+    assert llm.decode is decode  # choose_decode covers Llama and Qwen2 only
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
     assert len(length_groups([len(p) - 8 for p in prompts])) == 2
     check_against_naive(llm, prompts, n=5)
