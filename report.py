@@ -23,7 +23,6 @@ network: CSS, SVG and the small script are inline; all text from the run is esca
 script only ever writes through textContent).
 """
 
-import html
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks import read_jsonl
+from charts import SMOOTH_FROM, esc, figure, line_chart, num, pct, shift_chart, smooth_window, stacked_bar_chart
 from memory import cut
 from tools import TOOL_CLASSES
 
@@ -136,17 +136,6 @@ def load_run(out: Path) -> dict:
 # Small formatting helpers
 
 
-def esc(x) -> str:
-    return html.escape(str(x), quote=True)
-
-
-def num(v) -> float | None:
-    """A finite float, or None (missing, not a number, NaN, inf)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
 def cfg_get(cfg: dict | None, dotted: str, default=None):
     node = cfg
     for key in dotted.split("."):
@@ -154,11 +143,6 @@ def cfg_get(cfg: dict | None, dotted: str, default=None):
             return default
         node = node[key]
     return node
-
-
-def pct(v) -> str:
-    v = num(v)
-    return "—" if v is None else f"{100 * v:.1f}%"
 
 
 def fmt(v, digits=3) -> str:
@@ -189,12 +173,6 @@ def note(text: str, cls: str = "note") -> str:
     return f'<p class="{cls}">{text}</p>'
 
 
-def light(color: str) -> bool:
-    """Is this #rrggbb colour light enough that text on it should be dark?"""
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
-    return 0.299 * r + 0.587 * g + 0.114 * b > 150
-
-
 def tool_colors(run: dict) -> dict[str, str]:
     """One colour per tool, the same in every chart and every run's report. Listed in the
     configured order (then any other tool seen), coloured by tools.py's order."""
@@ -211,200 +189,6 @@ def tool_colors(run: dict) -> dict[str, str]:
     others = [t for t in names if t not in KNOWN_TOOLS]
     return {t: TOOL_COLORS[(KNOWN_TOOLS.index(t) if t in KNOWN_TOOLS else len(KNOWN_TOOLS) + others.index(t))
                            % len(TOOL_COLORS)] for t in names}
-
-
-# ----------------------------------------------------------------------------------------
-# Inline SVG charts. Axis ranges get "nice" round ticks; titles and legends live in the
-# HTML around the SVG, so nothing inside the plot can overlap them.
-
-W, H = 460, 230
-ML, MR, MT, MB = 64, 14, 12, 40  # margins: left (tick labels + y label), right, top, bottom
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> tuple[float, float, list[float]]:
-    """Round bounds that contain [lo, hi] and about n evenly spaced ticks between them."""
-    if hi < lo:
-        lo, hi = hi, lo
-    if hi == lo:
-        pad = abs(lo) * 0.1 or (1.0 if integer else 0.1)
-        lo, hi = lo - pad, hi + pad
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if (hi - lo) / (m * mag) <= n)
-    if integer:
-        step = max(1.0, round(step))
-    start, end = math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
-    ticks = [start + i * step for i in range(int(round((end - start) / step)) + 1)]
-    return start, end, ticks
-
-
-def tick_exponent(ticks: list[float]) -> int:
-    """e such that the ticks read best as multiples of 10^e (0 for ordinary ranges)."""
-    top = max(abs(t) for t in ticks)
-    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else top
-    if top == 0 or (step >= 1e-3 and top < 1e5):
-        return 0
-    return math.floor(math.log10(top))
-
-
-def tick_label(v: float, ticks: list[float]) -> str:
-    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 1.0
-    if abs(v) < step * 1e-6:
-        return "0"
-    decimals = next((d for d in range(7) if abs(round(step, d) - step) < step * 1e-6), 6)
-    return f"{v:,.{decimals}f}"
-
-
-def _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt=None) -> list[str]:
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
-    out = [f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" class="plot"/>']
-    e = 0 if y_fmt else tick_exponent(yt)  # tiny or huge values: ticks in units of 10^e
-    scaled = [t / 10 ** e for t in yt]
-    for t, st in zip(yt, scaled):
-        out.append(f'<line x1="{ML}" x2="{ML + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" class="grid"/>')
-        label = y_fmt(t) if y_fmt else tick_label(st, scaled)
-        out.append(f'<text x="{ML - 6}" y="{sy(t) + 4:.1f}" class="tick" text-anchor="end">{esc(label)}</text>')
-    for t in xt:
-        if x0 - 1e-9 <= t <= x1 + 1e-9:
-            out.append(f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{MT + ph}" y2="{MT + ph + 4}" class="axis"/>')
-            out.append(f'<text x="{sx(t):.1f}" y="{MT + ph + 16}" class="tick" text-anchor="middle">'
-                       f'{esc(tick_label(t, xt))}</text>')
-    out.append(f'<text x="{ML + pw / 2}" y="{H - 6}" class="alabel" text-anchor="middle">{esc(x_label)}</text>')
-    unit = f' (×10<tspan dy="-5" font-size="9">{e}</tspan><tspan dy="5"> </tspan>)' if e else ""
-    out.append(f'<text transform="translate(13 {MT + ph / 2}) rotate(-90)" class="alabel" '
-               f'text-anchor="middle">{esc(y_label)}{unit}</text>')
-    return out
-
-
-def _scales(xs, ys, y_min, y_max, zero):
-    x0, x1 = min(xs), max(xs)
-    if x0 == x1:
-        x0, x1 = x0 - 1, x1 + 1
-    _, _, xt = nice_ticks(x0, x1, n=6, integer=True)
-    lo, hi = min(ys), max(ys)
-    if zero:
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
-        if lo == hi == 0.0:
-            hi = 1.0  # all zero: draw the line on a 0..1 axis, not around it
-    if y_min is not None and y_max is not None:
-        y0, y1 = y_min, y_max
-        _, _, yt = nice_ticks(y0, y1)
-    else:
-        y0, y1, yt = nice_ticks(lo, hi)
-    return x0, x1, xt, y0, y1, yt
-
-
-SMOOTH_FROM = 30  # longer series: a faint raw line under a moving average, no dots
-
-
-def smooth_window(n: int) -> int:
-    """Width of the centred moving average drawn over a series of n steps (odd)."""
-    return max(3, n // 15) | 1
-
-
-def moving_average(ys: list, w: int) -> list:
-    """Centred moving average over the values present in each window (None stays None)."""
-    out = []
-    for i, y in enumerate(ys):
-        window = [v for v in ys[max(0, i - w // 2):i + w // 2 + 1] if v is not None]
-        out.append(None if y is None else sum(window) / len(window))
-    return out
-
-
-def _polylines(data: list, sx, sy, attrs: str) -> list[str]:
-    """One <polyline> per run of present values (None breaks the line)."""
-    out, segment = [], []
-    for x, y in data + [(None, None)]:
-        if y is None:
-            if len(segment) > 1:
-                out.append(f'<polyline points="{" ".join(segment)}" fill="none" {attrs}/>')
-            segment = []
-        else:
-            segment.append(f"{sx(x):.1f},{sy(y):.1f}")
-    return out
-
-
-def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=None, y_max=None,
-               zero: bool = False, y_fmt=None) -> str | None:
-    """series: [{name, xs, ys, color, dash?, points?}]; None values break a line. None if no data.
-    points: markers only (held-out evaluations). Over SMOOTH_FROM values, a line is drawn
-    faint with its moving average on top."""
-    pts = [(x, y) for s in series for x, y in zip(s["xs"], s["ys"]) if y is not None]
-    if not pts:
-        return None
-    x0, x1, xt, y0, y1, yt = _scales([p[0] for p in pts], [p[1] for p in pts], y_min, y_max, zero)
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (min(max(y, y0), y1) - y0) / (y1 - y0) * ph  # noqa: E731
-    out = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt)
-    for s in series:
-        color, name = esc(s["color"]), s["name"]
-        data = list(zip(s["xs"], s["ys"]))
-        present = [(x, y) for x, y in data if y is not None]
-        dash = ' stroke-dasharray="6 4"' if s.get("dash") else ""
-        if s.get("points"):
-            pass
-        elif len(present) > SMOOTH_FROM:
-            out += _polylines(data, sx, sy, f'stroke="{color}" stroke-width="1" stroke-opacity="0.35"')
-            smooth = moving_average(list(s["ys"]), smooth_window(len(present)))
-            out += _polylines(list(zip(s["xs"], smooth)), sx, sy, f'stroke="{color}" stroke-width="2.2"{dash}')
-        else:
-            out += _polylines(data, sx, sy, f'stroke="{color}" stroke-width="2"{dash}')
-        if s.get("points") or len(present) <= SMOOTH_FROM:  # dots with a hover tooltip
-            r = 4.5 if s.get("points") else (2.5 if len(present) > 1 else 3.5)
-            for x, y in present:
-                tip = f"{name}, step {x:g}: {y:.4g}"
-                fill = "#fff" if s.get("points") else color
-                out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{fill}" stroke="{color}" '
-                           f'stroke-width="2"><title>{esc(tip)}</title></circle>')
-    return _svg(out)
-
-
-def stacked_bar_chart(xs: list, stacks: list[dict], y_label: str, x_label: str = "step") -> str | None:
-    """One bar per x, split into stacks [{name, ys, color}] (missing values count 0)."""
-    if not xs or not stacks:
-        return None
-    totals = [sum(num(s["ys"][i]) or 0.0 for s in stacks) for i in range(len(xs))]
-    x0, x1, xt, y0, y1, yt = _scales([x - 0.5 for x in xs] + [x + 0.5 for x in xs], totals, None, None, True)
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
-    out = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label)
-    bw = max(1.0, 0.8 * pw / max(1.0, x1 - x0))
-    for i, x in enumerate(xs):
-        base = 0.0
-        for s in stacks:
-            v, name = num(s["ys"][i]) or 0.0, s["name"]
-            if v > 0:
-                out.append(f'<rect x="{sx(x) - bw / 2:.1f}" y="{sy(base + v):.1f}" width="{bw:.1f}" '
-                           f'height="{max(0.0, sy(base) - sy(base + v)):.1f}" fill="{esc(s["color"])}">'
-                           f'<title>{esc(f"step {x}: {name} {v:.1f} s")}</title></rect>')
-            base += v
-    return _svg(out)
-
-
-def _svg(parts: list[str], width: int = W, height: int = H) -> str:
-    return (f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-            f'xmlns="http://www.w3.org/2000/svg" role="img">' + "".join(parts) + "</svg>")
-
-
-def legend(items: list[tuple[str, str, str]]) -> str:
-    """items: (name, colour, style) with style 'line' | 'dash' | 'dot' | 'box'."""
-    spans = []
-    for name, color, style in items:
-        spans.append(f'<span class="key"><i class="sw {esc(style)}" style="--c:{esc(color)}"></i>{esc(name)}</span>')
-    return f'<div class="legend">{"".join(spans)}</div>'
-
-
-def figure(title: str, svg: str | None, explain: str, keys: list[tuple[str, str, str]] | None = None,
-           missing: str = "") -> str:
-    """A chart with its title, legend and one line saying what it shows. With no data, the
-    figure says so instead of drawing empty axes."""
-    body = svg if svg else f'<div class="empty">No data: {esc(missing or "nothing recorded yet")}.</div>'
-    return (f'<figure class="chart"><figcaption><b>{esc(title)}</b></figcaption>'
-            f'{legend(keys) if keys and svg else ""}{body}<p class="explain">{explain}</p></figure>')
 
 
 # ----------------------------------------------------------------------------------------
@@ -631,7 +415,128 @@ def section_before_after(run: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# Section 3: training curves
+# Section 3: training curves. One row of CURVES per small chart; `step_values` turns a
+# run into {series key: {step: value}}, and `curve_figure` draws one row from it.
+#
+# A row: title, y-axis label, y-axis ("unit" = 0..1, "zero" = from the data, with 0 in
+# view, "free" = from the data, "turns" = 0..T_max), its series, and the explanation
+# under the chart (HTML; {placeholders} filled from `curve_facts`). A series is
+# (key, label, colour, style): style "line", "dash", "points" (held-out dots) or "box"
+# (a stacked bar); key "tool_share:*" is one series per tool.
+
+CURVES = [
+    ("Reward and accuracy", "reward / accuracy", "unit", [
+        ("reward_mean", "reward mean (train rollouts)", "blue", "line"),
+        ("accuracy", "accuracy (train rollouts)", "green", "dash"),
+        ("heldout_accuracy", "held-out accuracy", "orange", "points")],
+     "Mean reward R over the step's Q×G rollouts{reward_note} Open dots: held-out accuracy from eval/step_N "
+     "(step 0 = before training). Training rollouts sample, exploring on purpose, while a greedy held-out "
+     "evaluation (eval.planner_temperature = 0) takes the most likely tool: compare each series with itself, "
+     "not with the other.{heldout_note}"),
+    ("Groups with no learning signal", "share of query groups", "unit", [
+        ("zero_variance_groups", "zero-variance groups", "red", "line")],
+     "Share of queries whose G rollouts all got the same reward: every A_i is 0, so they teach nothing. "
+     "Near 1 means the tasks are too easy or too hard for the current planner."),
+    ("KL to the reference policy", "KL(π_θ ‖ π_ref)", "zero", [("kl", "KL", "pink", "line")],
+     "k3 estimate of the KL between the trained planner and the frozen initial weights, per planner token, "
+     "averaged like the loss (over tokens, turns and rollouts). Penalised with weight β."),
+    ("Clip fraction", "share of planner tokens", "zero", [("clip_frac", "clip fraction", "sky", "line")],
+     "Share of planner tokens where the clip bites: ρ &lt; 1−ε_low with A &lt; 0, or ρ &gt; 1+ε_high with "
+     "A &gt; 0. Always 0 when each batch gets a single update (ρ = 1 on the first pass)."),
+    ("Tool-call error rate", "errors / tool calls", "unit", [
+        ("tool_error_rate", "train rollouts", "red", "line"),
+        ("heldout_tool_error_rate", "held-out", "orange", "points")],
+     "Failed tool calls (bad plan, tool error) over all tool calls. The paper reports it falls with training."),
+    ("Tool shares during training", "share of tool calls", "unit", [("tool_share:*", "", "", "line")],
+     "Which tools the planner picks in the training rollouts, as a share of all tool calls of the step."),
+    ("Policy entropy", "nats per token", "zero", [("entropy", "entropy", "green", "line")],
+     "Mean entropy of the planner's (temperature-scaled) next-token distribution over its action tokens. "
+     "A collapse towards 0 means the planner stopped exploring."),
+    ("Gradient norm", "‖g‖ before clipping", "zero", [("grad_norm", "grad norm", "blue", "line")],
+     "Gradient norm per optimizer step, before it is clipped to train.max_grad_norm. Only the KL term pushes "
+     "when every group has zero variance."),
+    ("Turns per trajectory", "mean turns", "turns", [("mean_turns", "mean turns", "orange", "line")],
+     "Mean planner turns per training rollout{budget_note}; the verifier stops a trajectory early when memory "
+     "is enough."),
+    ("Loss", "−J", "free", [("loss", "loss", "grey", "line")],
+     "The minimised Flow-GRPO objective −J (clipped surrogate + β·KL). Its level is not comparable across "
+     "steps: advantages are renormalised per group."),
+    ("Sampler vs trainer log-prob gap", "|Δ log-prob|", "zero", [("logprob_gap", "log-prob gap", "pink", "line")],
+     "Largest difference between a token's log-prob recorded while sampling and the one the loss recomputes "
+     "before the first update. Should stay ~0 (float noise): the update is on-policy."),
+    ("Time per step", "seconds", "zero", [
+        ("time_rollout", "rollout", "blue", "box"), ("time_judge", "judge", "orange", "box"),
+        ("time_update", "update", "green", "box")],
+     "Wall time of each step, split into rollout, judge and update."),
+]
+
+
+def step_values(run: dict) -> dict[str, dict[int, float]]:
+    """{series key: {step: value}} for every key CURVES can name: the metrics rows' own
+    keys, held-out points from eval/step_N, and one tool_share:NAME per tool."""
+    vals: dict[str, dict[int, float]] = {}
+    for r in run["metrics"]:
+        for k, v in r.items():
+            if num(v) is not None and k != "step":
+                vals.setdefault(k, {})[r["step"]] = num(v)
+        if r.get("tool_shares"):
+            for t in tool_colors(run):
+                vals.setdefault(f"tool_share:{t}", {})[r["step"]] = num(r["tool_shares"].get(t, 0.0))
+    for s, e in run["evals"].items():
+        for key, name in (("accuracy", "heldout_accuracy"), ("tool_error_rate", "heldout_tool_error_rate")):
+            if num(e["summary"].get(key)) is not None:
+                vals.setdefault(name, {})[s] = num(e["summary"][key])
+    return {k: v for k, v in vals.items() if any(x is not None for x in v.values())}
+
+
+def curve_facts(run: dict, vals: dict) -> dict[str, str]:
+    """What the explanations of CURVES fill in."""
+    same = vals.get("reward_mean") == vals.get("accuracy")
+    max_turns = num(cfg_get(run["config"], "agent.max_turns"))
+    return {"reward_note": " (= accuracy: the rewards are 0/1)." if same else
+            "; accuracy = share of rollouts with R &gt; 0.",
+            "heldout_note": "" if vals.get("heldout_accuracy") else " No held-out points: no eval/step_N yet.",
+            "budget_note": f" (budget T_max = {max_turns:g})" if max_turns else ""}
+
+
+def expand_series(run: dict, specs: list, vals: dict) -> list[tuple[str, str, str, str]]:
+    """CURVES series with their colours resolved, "tool_share:*" expanded, and series that
+    carry no data (or repeat the reward line) dropped."""
+    out = []
+    for key, label, color, style in specs:
+        if key == "tool_share:*":
+            out += [(f"tool_share:{t}", t, c, style) for t, c in tool_colors(run).items()
+                    if f"tool_share:{t}" in vals]
+        elif key in vals and not (key == "accuracy" and vals[key] == vals.get("reward_mean")):
+            out.append((key, label, OKABE.get(color, color), style))
+    return out
+
+
+def curve_figure(run: dict, row: tuple, vals: dict, facts: dict) -> str:
+    title, y_label, axis, specs, explain = row
+    series = expand_series(run, specs, vals)
+    missing = f"metrics.jsonl has no '{specs[0][0].split(':')[0].replace('tool_share', 'tool_shares')}'"
+    keys = [(label, color, "dot" if style == "points" else style) for _, label, color, style in series]
+    if len(series) == 1 and series[0][3] == "line":
+        keys = None  # the title says what the one line is
+    if not series:
+        svg = None
+    elif series[0][3] == "box":
+        xs = sorted({s for key, *_ in series for s in vals[key]})
+        svg = stacked_bar_chart(xs, [{"name": label, "color": color, "ys": [vals[key].get(x) for x in xs]}
+                                     for key, label, color, _ in series], y_label)
+        keys = [(label, color, "box") for _, label, color, _ in series]
+    else:
+        max_turns = num(cfg_get(run["config"], "agent.max_turns"))
+        y_min, y_max, zero = {"unit": (0, 1, False), "zero": (None, None, True), "free": (None, None, False),
+                              "turns": (0 if max_turns else None, max_turns or None, True)}[axis]
+        lines = []
+        for key, label, color, style in series:
+            xs = sorted(vals[key])
+            lines.append({"name": label, "xs": xs, "ys": [vals[key][x] for x in xs], "color": color,
+                          "dash": style == "dash", "points": style == "points"})
+        svg = line_chart(lines, y_label, y_min=y_min, y_max=y_max, zero=zero)
+    return figure(title, svg, explain.format(**facts), keys, missing)
 
 
 def section_curves(run: dict) -> str:
@@ -641,158 +546,20 @@ def section_curves(run: dict) -> str:
         parts.append(note("<b>No training steps yet</b>: metrics.jsonl is missing or empty (train.py appends "
                           "one row per finished step).", "note warn") + "</section>")
         return "".join(parts)
-    xs = [r["step"] for r in m]
-    col = lambda k: [num(r.get(k)) for r in m]  # noqa: E731
-    has = lambda k: any(v is not None for v in col(k))  # noqa: E731
-    miss = lambda k: f"metrics.jsonl has no '{k}'"  # noqa: E731
-    heldout = {s: num(e["summary"].get("accuracy")) for s, e in run["evals"].items()}
-    for r in m:
-        if num(r.get("heldout_accuracy")) is not None:
-            heldout.setdefault(r["step"], num(r["heldout_accuracy"]))
-    ho_x = sorted(s for s, v in heldout.items() if v is not None)
-    ho_err = {s: num(e["summary"].get("tool_error_rate")) for s, e in run["evals"].items()}
-    he_x = sorted(s for s, v in ho_err.items() if v is not None)
     if len(m) > SMOOTH_FROM:
         parts.append(note(f"Faint lines: the value at each step; solid lines: a centred moving average over "
                           f"{smooth_window(len(m))} steps. Hover a held-out dot for its value."))
     else:
         parts.append(note("Hover a dot for its exact value."))
-    B, O, G_, P, S, R, GR = (OKABE[c] for c in ("blue", "orange", "green", "pink", "sky", "red", "grey"))
-    max_turns = num(cfg_get(run["config"], "agent.max_turns"))
-    figs = []
-
-    series = [{"name": "reward mean (train rollouts)", "xs": xs, "ys": col("reward_mean"), "color": B}]
-    keys = [("reward mean (train rollouts)", B, "line")]
-    same = all(a == b for a, b in zip(col("reward_mean"), col("accuracy")))
-    if not same:
-        series.append({"name": "accuracy (train rollouts)", "xs": xs, "ys": col("accuracy"), "color": G_, "dash": True})
-        keys.append(("accuracy (train rollouts)", G_, "dash"))
-    if ho_x:
-        series.append({"name": "held-out accuracy", "xs": ho_x, "ys": [heldout[s] for s in ho_x], "color": O,
-                       "points": True})
-        keys.append(("held-out accuracy", O, "dot"))
-    figs.append(figure("Reward and accuracy", line_chart(series, "reward / accuracy", y_min=0, y_max=1), (
-        "Mean reward R over the step's Q×G rollouts" + (" (= accuracy: the rewards are 0/1)." if same else
-        "; accuracy = share of rollouts with R &gt; 0.") + " Open dots: held-out accuracy from eval/step_N "
-        "(step 0 = before training). Training rollouts sample, exploring on purpose, while a greedy "
-        "held-out evaluation (eval.planner_temperature = 0) takes the most likely tool: compare each "
-        "series with itself, not with the other."
-        + ("" if ho_x else " No held-out points: no eval/step_N yet.")), keys, miss("reward_mean")))
-
-    figs.append(figure("Groups with no learning signal", line_chart(
-        [{"name": "zero-variance groups", "xs": xs, "ys": col("zero_variance_groups"), "color": R}],
-        "share of query groups", y_min=0, y_max=1),
-        "Share of queries whose G rollouts all got the same reward: every A_i is 0, so they teach nothing. "
-        "Near 1 means the tasks are too easy or too hard for the current planner.", None, miss("zero_variance_groups")))
-    figs.append(figure("KL to the reference policy", line_chart(
-        [{"name": "KL", "xs": xs, "ys": col("kl"), "color": P}], "KL(π_θ ‖ π_ref)", zero=True),
-        "k3 estimate of the KL between the trained planner and the frozen initial weights, per planner "
-        "token, averaged like the loss (over tokens, turns and rollouts). Penalised with weight β.", None, miss("kl")))
-    figs.append(figure("Clip fraction", line_chart(
-        [{"name": "clip fraction", "xs": xs, "ys": col("clip_frac"), "color": S}], "share of planner tokens",
-        zero=True), "Share of planner tokens where the clip bites: ρ &lt; 1−ε_low with A &lt; 0, or ρ &gt; 1+ε_high "
-        "with A &gt; 0. Always 0 when each batch gets a single update (ρ = 1 on the first pass).", None, miss("clip_frac")))
-
-    series = [{"name": "tool-call error rate (train)", "xs": xs, "ys": col("tool_error_rate"), "color": R}]
-    keys = [("train rollouts", R, "line")]
-    if he_x:
-        series.append({"name": "held-out tool-call error rate", "xs": he_x, "ys": [ho_err[s] for s in he_x],
-                       "color": O, "points": True})
-        keys.append(("held-out", O, "dot"))
-    figs.append(figure("Tool-call error rate", line_chart(series, "errors / tool calls", y_min=0, y_max=1),
-                       "Failed tool calls (bad plan, tool error) over all tool calls. The paper reports it falls "
-                       "with training.", keys, miss("tool_error_rate")))
-
-    colors = tool_colors(run)
-    tools = [t for t in colors if any(t in (r.get("tool_shares") or {}) for r in m)]
-    series = [{"name": t, "xs": xs, "color": colors[t],
-               "ys": [num((r.get("tool_shares") or {}).get(t, 0.0)) if r.get("tool_shares") else None for r in m]}
-              for t in tools]
-    figs.append(figure("Tool shares during training", line_chart(series, "share of tool calls", y_min=0, y_max=1)
-                       if series else None, "Which tools the planner picks in the training rollouts, as a share "
-                       "of all tool calls of the step.", [(t, colors[t], "line") for t in tools],
-                       miss("tool_shares")))
-    figs.append(figure("Policy entropy", line_chart(
-        [{"name": "entropy", "xs": xs, "ys": col("entropy"), "color": G_}], "nats per token", zero=True),
-        "Mean entropy of the planner's (temperature-scaled) next-token distribution over its action tokens. "
-        "A collapse towards 0 means the planner stopped exploring.", None, miss("entropy")))
-    figs.append(figure("Gradient norm", line_chart(
-        [{"name": "grad norm", "xs": xs, "ys": col("grad_norm"), "color": B}], "‖g‖ before clipping", zero=True),
-        "Gradient norm per optimizer step, before it is clipped to train.max_grad_norm. Only the KL term "
-        "pushes when every group has zero variance.", None, miss("grad_norm")))
-    figs.append(figure("Turns per trajectory", line_chart(
-        [{"name": "mean turns", "xs": xs, "ys": col("mean_turns"), "color": O}], "mean turns",
-        y_min=0 if max_turns else None, y_max=max_turns or None, zero=True),
-        "Mean planner turns per training rollout" + (f" (budget T_max = {max_turns:g})" if max_turns else "")
-        + "; the verifier "
-        "stops a trajectory early when memory is enough.", None, miss("mean_turns")))
-    figs.append(figure("Loss", line_chart([{"name": "loss", "xs": xs, "ys": col("loss"), "color": GR}], "−J"),
-                       "The minimised Flow-GRPO objective −J (clipped surrogate + β·KL). Its level is not "
-                       "comparable across steps: advantages are renormalised per group.", None, miss("loss")))
-    figs.append(figure("Sampler vs trainer log-prob gap", line_chart(
-        [{"name": "log-prob gap", "xs": xs, "ys": col("logprob_gap"), "color": P}], "|Δ log-prob|", zero=True),
-        "Largest difference between a token's log-prob recorded while sampling and the one the loss recomputes "
-        "before the first update. Should stay ~0 (float noise): the update is on-policy.", None, miss("logprob_gap")))
-    tcolors = {"rollout": B, "judge": O, "update": G_}
-    stacks = [{"name": k, "ys": col(f"time_{k}"), "color": c} for k, c in tcolors.items() if has(f"time_{k}")]
-    figs.append(figure("Time per step", stacked_bar_chart(xs, stacks, "seconds") if stacks else None,
-                       "Wall time of each step, split into rollout, judge and update.",
-                       [(k, c, "box") for k, c in tcolors.items()], miss("time_rollout")))
+    vals = step_values(run)
+    facts = curve_facts(run, vals)
+    figs = [curve_figure(run, row, vals, facts) for row in CURVES]
     parts.append(f'<div class="charts">{"".join(figs)}</div></section>')
     return "".join(parts)
 
 
 # ----------------------------------------------------------------------------------------
 # Section 4: tool-usage shift per task kind
-
-
-def shift_chart(sb: dict, sa: dict, colors: dict[str, str], acc: dict | None = None) -> str | None:
-    """Two stacked bars (before, after) per task kind; each bar splits 100% of tool calls.
-    acc: {kind: (accuracy before, accuracy after)}, written under each kind's name."""
-    kinds = ["all"] + [k for k in sorted(set(sb) | set(sa)) if k != "all"]
-    kinds = [k for k in kinds if sb.get(k) or sa.get(k)]
-    if not kinds:
-        return None
-    bw, gap, group_gap, ml, mt, mb, ph = 46, 8, 40, 52, 12, 64, 220
-    width = ml + len(kinds) * (2 * bw + gap + group_gap) + 10
-    height = mt + ph + mb
-    sy = lambda v: mt + ph - v * ph  # noqa: E731
-    out = []
-    for t in (0, 0.25, 0.5, 0.75, 1.0):
-        out.append(f'<line x1="{ml}" x2="{width - 10}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" class="grid"/>'
-                   f'<text x="{ml - 6}" y="{sy(t) + 4:.1f}" class="tick" text-anchor="end">{100 * t:.0f}%</text>')
-    out.append(f'<text transform="translate(13 {mt + ph / 2}) rotate(-90)" class="alabel" '
-               f'text-anchor="middle">share of tool calls</text>')
-    for i, kind in enumerate(kinds):
-        gx = ml + group_gap / 2 + i * (2 * bw + gap + group_gap)
-        for j, (label, shares) in enumerate((("before", sb.get(kind)), ("after", sa.get(kind)))):
-            x = gx + j * (bw + gap)
-            out.append(f'<text x="{x + bw / 2}" y="{mt + ph + 14}" class="tick" text-anchor="middle">{label}</text>')
-            if not shares:  # that evaluation does not exist yet, or had no tool call of this kind
-                missing = "not yet" if not (sb if label == "before" else sa) else "no calls"
-                out.append(f'<text x="{x + bw / 2}" y="{sy(0.5)}" class="tick" text-anchor="middle">{missing}</text>')
-                continue
-            base = 0.0
-            for tool in colors:
-                share, calls = shares.get(tool, (0.0, 0))
-                if share <= 0:
-                    continue
-                y_top, h = sy(base + share), share * ph
-                tip = f"{kind}, {label}: {tool} {100 * share:.1f}%" + (f" ({calls} calls)" if calls else "")
-                out.append(f'<rect x="{x}" y="{y_top:.1f}" width="{bw}" height="{h:.1f}" fill="{esc(colors[tool])}" '
-                           f'stroke="#fff" stroke-width="0.5"><title>{esc(tip)}</title></rect>')
-                if h >= 15:
-                    out.append(f'<text x="{x + bw / 2}" y="{y_top + h / 2 + 4:.1f}" class="inbar" '
-                               f'fill="{"#1d2125" if light(colors[tool]) else "#fff"}" '
-                               f'text-anchor="middle">{100 * share:.0f}%</text>')
-                base += share
-        out.append(f'<text x="{gx + bw + gap / 2}" y="{mt + ph + 34}" class="alabel" text-anchor="middle">'
-                   f'{esc(kind)}</text>')
-        b_acc, a_acc = (acc or {}).get(kind, (None, None))
-        if b_acc is not None or a_acc is not None:
-            out.append(f'<text x="{gx + bw + gap / 2}" y="{mt + ph + 50}" class="tick" text-anchor="middle">'
-                       f'acc {esc(pct(b_acc))} → {esc(pct(a_acc))}</text>')
-    return _svg(out, int(width), height)
 
 
 def section_tool_shift(run: dict) -> str:
@@ -927,190 +694,23 @@ def section_trajectories(run: dict) -> str:
                  '(rewards not all equal)</label><span id="step-info" class="dim"></span></div>'
                  '<div id="traj-groups"><p class="note">The trajectory browser needs JavaScript.</p></div>')
     parts.append(f'<script type="application/json" id="traj-data">{blob}</script>')
-    parts.append(f"<script>{BROWSER_JS}</script></section>")
+    parts.append("</section>")
     return "".join(parts)
 
 
-BROWSER_JS = r"""
-(function () {
-  "use strict";
-  var D = JSON.parse(document.getElementById("traj-data").textContent);
-  var sel = document.getElementById("step-select"), box = document.getElementById("traj-groups");
-  var only = document.getElementById("only-signal"), info = document.getElementById("step-info");
-  // Every string from the run goes through textContent: it is never parsed as HTML.
-  function el(tag, cls, text) {
-    var e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text !== undefined && text !== null) e.textContent = String(text);
-    return e;
-  }
-  function field(parent, label, value, cls, always) {
-    var empty = value === undefined || value === null || value === "";
-    if (empty && !always) return;
-    var d = el("div", "field " + (cls || ""));
-    d.appendChild(el("span", "flabel", label));
-    d.appendChild(el("pre", empty ? "dim" : null, empty ? "(empty)" : value));
-    parent.appendChild(d);
-  }
-  function f3(v) { return (v === null || v === undefined) ? "n/a" : (v >= 0 ? "+" : "") + v.toFixed(3); }
-  function stats(rs) {
-    var r = rs.map(function (x) { return x.reward || 0; });
-    var m = r.reduce(function (a, b) { return a + b; }, 0) / r.length;
-    var v = r.reduce(function (a, b) { return a + (b - m) * (b - m); }, 0) / r.length;
-    return {mean: m, std: Math.sqrt(v), flat: r.every(function (x) { return x === r[0]; })};
-  }
-  D.steps.forEach(function (s) { var o = el("option", null, "step " + s); o.value = String(s); sel.appendChild(o); });
-  function rollout(r, i, gold) {
-    var col = el("div", "rollout " + (r.reward > 0 ? "win" : "loss"));
-    var h = el("div", "rhead");
-    h.appendChild(el("b", null, "rollout " + (i + 1)));
-    h.appendChild(el("span", "badge " + (r.reward > 0 ? "ok" : "bad"), "R = " + (r.reward === null ? "?" : r.reward)));
-    col.appendChild(h);
-    var adv = el("div", "adv " + (r.advantage > 0 ? "pos" : r.advantage < 0 ? "neg" : "zero"));
-    adv.appendChild(el("b", null, "A_i = " + f3(r.advantage)));
-    adv.appendChild(el("span", null, " advantage A_i, broadcast to every planner turn"));
-    col.appendChild(adv);
-    if (!r.turns.length) col.appendChild(el("p", "dim", "no turns recorded"));
-    r.turns.forEach(function (t) {
-      var c = el("div", "turn");
-      var th = el("div", "thead");
-      th.appendChild(el("b", null, "turn " + t.turn));
-      th.appendChild(el("span", "tool", t.tool || "no tool"));
-      if (t.verdict) th.appendChild(el("span", "verdict " + t.verdict, "verifier: " + t.verdict));
-      c.appendChild(th);
-      field(c, "planner action (trained, weight A_i = " + f3(r.advantage) + ")", t.planner, "planner");
-      if (!t.recorded) c.appendChild(el("p", "dim", "no memory record for this turn"));
-      // The memory record of the turn; empty fields are shown as such (they say something).
-      field(c, "sub-goal", t.sub_goal, null, t.recorded);
-      field(c, "command (executor)", t.command, null, t.recorded);
-      field(c, "result", t.result, "result", t.recorded);
-      field(c, "error", t.error, "err");
-      col.appendChild(c);
-    });
-    var fin = el("div", "final " + (r.reward > 0 ? "ok" : "bad"));
-    field(fin, "final answer " + (r.reward > 0 ? "\u2713" : "\u2717"), r.answer, null, true);
-    field(fin, "gold", gold);
-    col.appendChild(fin);
-    return col;
-  }
-  function render() {
-    var S = D.by_step[sel.value];
-    box.replaceChildren();
-    var m = S.metrics, parts = [S.groups.length + " query groups"];
-    if (m) {
-      if (m.reward_mean !== undefined) parts.push("reward mean " + Number(m.reward_mean).toFixed(3));
-      if (m.zero_variance_groups !== undefined)
-        parts.push("no-signal groups " + Math.round(100 * m.zero_variance_groups) + "%");
-      if (m.mean_turns !== undefined) parts.push("mean turns " + Number(m.mean_turns).toFixed(2));
-      if (m.top_tool !== undefined) parts.push("top tool " + m.top_tool);
-    }
-    info.textContent = parts.join(" \u00b7 ");
-    var shown = 0;
-    S.groups.forEach(function (g) {
-      var st = stats(g.rollouts);
-      if (only.checked && st.flat) return;
-      shown++;
-      var sec = el("div", "group");
-      var hd = el("div", "ghead");
-      hd.appendChild(el("b", null, "query " + g.group + (g.task ? " \u00b7 " + g.task : "")));
-      hd.appendChild(el("span", "dim", " G = " + g.rollouts.length + " rollouts \u00b7 rewards [" +
-        g.rollouts.map(function (r) { return r.reward; }).join(", ") + "] \u00b7 mean " + st.mean.toFixed(3) +
-        " \u00b7 std " + st.std.toFixed(3)));
-      sec.appendChild(hd);
-      sec.appendChild(el("pre", "query", g.query));
-      var gold = (g.gold || []).join("  |  ");
-      if (st.flat) sec.appendChild(el("p", "flat", "All " + g.rollouts.length + " rewards are equal, so " +
-        "every A_i = 0: this query contributes no gradient this step."));
-      var row = el("div", "rollouts");
-      row.style.gridTemplateColumns = "repeat(" + g.rollouts.length + ", minmax(220px, 1fr))";
-      g.rollouts.forEach(function (r, i) { row.appendChild(rollout(r, i, gold)); });
-      sec.appendChild(row);
-      box.appendChild(sec);
-      if (row.scrollWidth > row.clientWidth + 2)  // too many rollouts for the window: say so
-        sec.insertBefore(el("p", "dim", "\u2194 scroll sideways to see all " + g.rollouts.length + " rollouts"), row);
-    });
-    if (!shown) box.appendChild(el("p", "note", only.checked ?
-      "Every group of this step has equal rewards (no learning signal)." : "This step has no trajectories."));
-  }
-  function move(d) {
-    var i = sel.selectedIndex + d;
-    if (i >= 0 && i < sel.options.length) { sel.selectedIndex = i; render(); }
-  }
-  sel.addEventListener("change", render);
-  only.addEventListener("change", render);
-  document.getElementById("prev-step").addEventListener("click", function () { move(-1); });
-  document.getElementById("next-step").addEventListener("click", function () { move(1); });
-  sel.selectedIndex = sel.options.length - 1;  // the latest step
-  render();
-})();
-"""
+
+
 
 
 # ----------------------------------------------------------------------------------------
-# The page
+# The page. Its style sheet and script live next to this file (report.css, report.js) and
+# are inlined at render time, so the page needs nothing but itself.
+
+ASSETS = Path(__file__).resolve().parent
 
 
-CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;color:#1d2125;
- background:#f6f7f9;font-size:14px;line-height:1.45}
-header{background:#1f2933;color:#fff;padding:14px 24px}
-header h1{margin:0 0 4px;font-size:20px} header .dim{color:#c9d1d9}
-nav a{color:#9fd3ff;margin-right:14px;text-decoration:none}
-main{padding:8px 24px 40px;max-width:1900px}
-section{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:8px 18px 16px;margin:16px 0}
-h2{font-size:18px;margin:10px 0} h3{font-size:15px;margin:14px 0 6px}
-.note{color:#444;max-width:1100px} .warn{background:#fff6e0;border-left:4px solid #E69F00;padding:6px 10px}
-.dim{color:#6b7280;font-weight:normal}
-.cols{display:flex;gap:48px;flex-wrap:wrap;align-items:flex-start} .cols>div{flex:0 1 560px}
-table.kv th{text-align:left;padding:2px 14px 2px 0;font-weight:600;color:#374151}
-table.kv td{padding:2px 10px 2px 0}
-table.grid{border-collapse:collapse;margin:6px 0}
-table.grid th,table.grid td{border:1px solid #dde1e6;padding:4px 10px;text-align:right;white-space:nowrap}
-table.grid th:first-child{text-align:left} table.grid th.sub{font-weight:normal;padding-left:22px}
-table.grid thead th{background:#f0f2f5;text-align:center}
-td.good{color:#0a7a3e;font-weight:600} td.bad{color:#b42318;font-weight:600}
-.timebar{display:flex;height:18px;width:420px;border-radius:4px;overflow:hidden;margin:4px 0 8px}
-.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(400px,1fr));gap:14px}
-figure.chart{margin:0;border:1px solid #e5e7eb;border-radius:6px;padding:8px 10px;background:#fff}
-figure.chart svg{width:100%;max-width:640px;height:auto;display:block}
-#tool-shift figure.chart svg{width:auto;max-width:100%}
-figcaption{font-size:14px;margin-bottom:2px}
-.explain{color:#4b5563;font-size:12.5px;margin:4px 0 0}
-.empty{color:#6b7280;background:#f3f4f6;border-radius:4px;padding:30px 12px;text-align:center}
-.legend{font-size:12px;margin:2px 0 4px} .key{margin-right:12px;white-space:nowrap}
-i.sw{display:inline-block;width:18px;height:0;border-top:2.5px solid var(--c);vertical-align:middle;margin-right:4px}
-i.sw.dash{border-top-style:dashed} i.sw.box{width:11px;height:11px;border:0;background:var(--c);border-radius:2px}
-i.sw.dot{width:8px;height:8px;border:2px solid var(--c);border-radius:50%;background:#fff}
-svg .plot{fill:#fff;stroke:#9ca3af} svg .grid{stroke:#e5e7eb} svg .axis{stroke:#6b7280}
-svg .tick{font-size:11px;fill:#4b5563} svg .alabel{font-size:12px;fill:#1f2937}
-svg .inbar{font-size:11px;font-weight:600}
-.controls{display:flex;gap:14px;align-items:center;flex-wrap:wrap;margin:8px 0 12px}
-.controls select,.controls button{font-size:14px;padding:3px 8px}
-.group{border-top:2px solid #dde1e6;padding:10px 0 14px}
-.ghead{margin-bottom:4px} pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:12.5px;
- font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-pre.query{background:#eef2ff;padding:6px 8px;border-radius:4px;margin:4px 0 8px;font-size:13.5px}
-.flat{color:#92400e;background:#fef3c7;padding:4px 8px;border-radius:4px;margin:4px 0 8px}
-.rollouts{display:grid;gap:10px;overflow-x:auto}
-.rollout{border:1px solid #dde1e6;border-radius:6px;padding:8px;background:#fcfcfd;min-width:0}
-.rollout.win{border-top:4px solid #009E73} .rollout.loss{border-top:4px solid #D55E00}
-.rhead{display:flex;justify-content:space-between;align-items:center}
-.badge{padding:1px 8px;border-radius:10px;font-weight:600;font-size:12.5px}
-.badge.ok{background:#d1fae5;color:#065f46} .badge.bad{background:#fee2e2;color:#991b1b}
-.adv{margin:6px 0;padding:4px 6px;border-radius:4px;font-size:12.5px}
-.adv.pos{background:#ecfdf5} .adv.neg{background:#fef2f2} .adv.zero{background:#f3f4f6}
-.adv span{color:#4b5563}
-.turn{border-left:3px solid #cbd5e1;padding:2px 0 4px 8px;margin:8px 0}
-.thead{display:flex;gap:8px;align-items:center;flex-wrap:wrap;margin-bottom:2px}
-.tool{background:#e0f2fe;color:#075985;border-radius:4px;padding:0 6px;font-size:12.5px}
-.verdict{font-size:12px;border-radius:4px;padding:0 6px;background:#f3f4f6}
-.verdict.stop{background:#ede9fe;color:#5b21b6}
-.field{margin:3px 0} .flabel{display:block;font-size:11.5px;color:#6b7280;font-style:italic}
-.field.planner pre{background:#fffbeb;padding:3px 5px;border-radius:3px}
-.field.err pre{color:#b42318}
-.field.result pre{max-height:9.5em;overflow-y:auto;background:#f8fafc}
-.final{margin-top:8px;padding:6px;border-radius:4px} .final.ok{background:#ecfdf5} .final.bad{background:#fef2f2}
-"""
+def asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")
 
 
 def render(run: dict) -> str:
@@ -1120,7 +720,7 @@ def render(run: dict) -> str:
             "learning.json": run["learning"] is not None}
     title = f"Flow-GRPO run report: {out.resolve().name}"
     head = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head><body>'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{asset("report.css")}</style></head><body>'
             f'<header><h1>{esc(title)}</h1><div class="dim">{esc(out.resolve())} · generated '
             f'{esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · AgentFlow planner trained with Flow-GRPO</div>')
     if not any(have.values()):
@@ -1143,7 +743,8 @@ def render(run: dict) -> str:
             body.append(f'<section><h2>{esc(section.__name__)}</h2>'
                         + note(f"This section could not be drawn: {esc(type(e).__name__)}: {esc(e)}", "note warn")
                         + "</section>")
-    return head + nav + "</header><main>" + "".join(body) + "</main></body></html>\n"
+    script = f"<script>{asset('report.js')}</script>" if run["traj_files"] else ""
+    return head + nav + "</header><main>" + "".join(body) + "</main>" + script + "</body></html>\n"
 
 
 def main(argv: list[str]) -> int:

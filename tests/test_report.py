@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
+import charts  # noqa: E402
 import report  # noqa: E402
 from eval import summarize  # noqa: E402  (the real summary format)
 
@@ -339,7 +340,7 @@ def test_empty_and_missing_dir(tmp_path, capsys):
 
 
 def test_nice_ticks_and_step_picking():
-    lo, hi, ticks = report.nice_ticks(0.0013, 0.0087)
+    lo, hi, ticks = charts.nice_ticks(0.0013, 0.0087)
     assert lo <= 0.0013 and hi >= 0.0087 and 3 <= len(ticks) <= 7
     assert report.pick_steps(list(range(1, 101)), 40)[0] == 1 and report.pick_steps(list(range(1, 101)), 40)[-1] == 100
     assert len(report.pick_steps(list(range(1, 101)), 40)) == 40
