@@ -703,6 +703,85 @@ def section_trajectories(run: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------
+# Provenance: what a reader needs to see why the same seed gives another number on
+# another machine. train.py calls record_run once, right after it writes config.json.
+
+
+def provenance(cfg: dict) -> dict:
+    """This process: seed, code version, library versions, CPU, threads, start time."""
+    import platform
+    import subprocess
+
+    import torch
+    import transformers
+
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=ASSETS, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += " dirty"  # tracked files differ from that commit: the numbers may not reproduce from it
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = cfg_get(cfg, "model.device", "auto")
+    gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
+    return {"seed": cfg_get(cfg, "seed"), "git_commit": commit, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpu": cpu or platform.processor() or platform.machine(),
+            # The SIMD level torch dispatches its CPU kernels to (AVX2, AVX512, ...): two
+            # machines with the same CPU name can still sum floats in another order.
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            # train.py sets model.threads after this call, so the config says what the run uses.
+            "threads": cfg_get(cfg, "model.threads") or torch.get_num_threads(), "gpu": gpu,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "started_unix": round(time.time(), 3)}
+
+
+def record_run(out_dir, cfg: dict) -> dict:
+    """Append this process's provenance to out_dir/run.json and stamp its wall time there
+    when the process exits.
+
+    A list, one entry per process: a resumed run may have been continued on another
+    machine or another torch version, and its total wall time (evaluations included) is
+    the sum of its processes' times. The exit stamp runs on a normal end, an exception or
+    Ctrl-C (atexit); a process killed outright leaves its entry without wall_s, and the
+    report says so."""
+    import atexit
+
+    path = Path(out_dir) / "run.json"
+    entry = provenance(cfg)
+
+    def save(update):
+        old = _read_json(path)
+        processes = old.get("processes") if isinstance(old, dict) else None
+        processes = update([p for p in processes or [] if isinstance(p, dict)])
+        tmp = path.with_name(f".run.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"processes": processes}, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def stamp():
+        wall = round(time.time() - entry["started_unix"], 1)
+        try:  # re-read: another run() in this process may have appended since
+            save(lambda ps: [{**p, "wall_s": wall} if p.get("started_unix") == entry["started_unix"] else p
+                             for p in ps])
+        except OSError:  # the folder is gone (a test's temporary run): nothing to stamp
+            pass
+
+    save(lambda ps: ps + [entry])
+    atexit.register(stamp)
+    return entry
+
+
+# ----------------------------------------------------------------------------------------
 # The page. Its style sheet and script live next to this file (report.css, report.js) and
 # are inlined at render time, so the page needs nothing but itself.
 
