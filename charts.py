@@ -99,8 +99,10 @@ def _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt=None) -> list[str]:
     return out
 
 
-def _scales(xs, ys, y_min, y_max, zero):
+def _scales(xs, ys, y_min, y_max, zero, x_range=None, y_cap=None):
     x0, x1 = min(xs), max(xs)
+    if x_range is not None:  # small multiples share one x-range, whatever each one's data covers
+        x0, x1 = min(x0, x_range[0]), max(x1, x_range[1])
     if x0 == x1:
         x0, x1 = x0 - 1, x1 + 1
     _, _, xt = nice_ticks(x0, x1, n=6, integer=True)
@@ -114,6 +116,8 @@ def _scales(xs, ys, y_min, y_max, zero):
         _, _, yt = nice_ticks(y0, y1)
     else:
         y0, y1, yt = nice_ticks(lo, hi)
+        if y_cap is not None and y1 > y_cap:  # a rate: never an axis beyond 100%
+            y0, y1, yt = nice_ticks(y0, y_cap)
     return x0, x1, xt, y0, y1, yt
 
 
@@ -148,14 +152,17 @@ def _polylines(data: list, sx, sy, attrs: str) -> list[str]:
 
 
 def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=None, y_max=None,
-               zero: bool = False, y_fmt=None) -> str | None:
+               zero: bool = False, y_fmt=None, x_range=None, y_cap=None) -> str | None:
     """series: [{name, xs, ys, color, dash?, points?}]; None values break a line. None if no data.
-    points: markers only (held-out evaluations). Over SMOOTH_FROM values, a line is drawn
-    faint with its moving average on top."""
+    points: markers only (held-out evaluations); dash: True or an SVG dash pattern. Over
+    SMOOTH_FROM values, a line is drawn faint with its moving average on top.
+    y_min/y_max fix the y-axis; otherwise it fits the data (with 0 in view if `zero`), at
+    most up to y_cap. x_range: the x-axis covers at least this (lo, hi)."""
     pts = [(x, y) for s in series for x, y in zip(s["xs"], s["ys"]) if y is not None]
     if not pts:
         return None
-    x0, x1, xt, y0, y1, yt = _scales([p[0] for p in pts], [p[1] for p in pts], y_min, y_max, zero)
+    x0, x1, xt, y0, y1, yt = _scales([p[0] for p in pts], [p[1] for p in pts], y_min, y_max, zero, x_range,
+                                     y_cap)
     pw, ph = W - ML - MR, H - MT - MB
     sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
     sy = lambda y: MT + ph - (min(max(y, y0), y1) - y0) / (y1 - y0) * ph  # noqa: E731
@@ -164,7 +171,8 @@ def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=No
         color, name = esc(s["color"]), s["name"]
         data = list(zip(s["xs"], s["ys"]))
         present = [(x, y) for x, y in data if y is not None]
-        dash = ' stroke-dasharray="6 4"' if s.get("dash") else ""
+        pattern = s.get("dash")
+        dash = f' stroke-dasharray="{esc("6 4" if pattern is True else pattern)}"' if pattern else ""
         if s.get("points"):
             pass
         elif len(present) > SMOOTH_FROM:
@@ -176,19 +184,21 @@ def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=No
         if s.get("points") or len(present) <= SMOOTH_FROM:  # dots with a hover tooltip
             r = 4.5 if s.get("points") else (2.5 if len(present) > 1 else 3.5)
             for x, y in present:
-                tip = f"{name}, step {x:g}: {y:.4g}"
+                tip = f"{name}, {x_label} {x:g}: {y:.4g}"
                 fill = "#fff" if s.get("points") else color
                 out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{fill}" stroke="{color}" '
                            f'stroke-width="2"><title>{esc(tip)}</title></circle>')
     return _svg(out)
 
 
-def stacked_bar_chart(xs: list, stacks: list[dict], y_label: str, x_label: str = "step") -> str | None:
+def stacked_bar_chart(xs: list, stacks: list[dict], y_label: str, x_label: str = "step", unit: str = "s",
+                      x_range=None) -> str | None:
     """One bar per x, split into stacks [{name, ys, color}] (missing values count 0)."""
     if not xs or not stacks:
         return None
     totals = [sum(num(s["ys"][i]) or 0.0 for s in stacks) for i in range(len(xs))]
-    x0, x1, xt, y0, y1, yt = _scales([x - 0.5 for x in xs] + [x + 0.5 for x in xs], totals, None, None, True)
+    x0, x1, xt, y0, y1, yt = _scales([x - 0.5 for x in xs] + [x + 0.5 for x in xs], totals, None, None, True,
+                                     x_range)
     pw, ph = W - ML - MR, H - MT - MB
     sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
     sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
@@ -201,7 +211,7 @@ def stacked_bar_chart(xs: list, stacks: list[dict], y_label: str, x_label: str =
             if v > 0:
                 out.append(f'<rect x="{sx(x) - bw / 2:.1f}" y="{sy(base + v):.1f}" width="{bw:.1f}" '
                            f'height="{max(0.0, sy(base) - sy(base + v)):.1f}" fill="{esc(s["color"])}">'
-                           f'<title>{esc(f"step {x}: {name} {v:.1f} s")}</title></rect>')
+                           f'<title>{esc(f"{x_label} {x}: {name} {v:.1f} {unit}")}</title></rect>')
             base += v
     return _svg(out)
 
