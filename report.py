@@ -342,9 +342,9 @@ def out_of_turns(turns: list[dict], max_turns) -> bool:
 
 def cut_counts(trajs: list[dict], max_turns) -> dict:
     """Counts over trajectories: planner actions, their tokens where recorded, actions cut
-    at max_new_tokens, loose tool-name matches, actions naming no tool, trajectories out
-    of turns."""
-    c = Counter()
+    at max_new_tokens, loose tool-name matches (and which: "loose_names"), actions naming
+    no tool, trajectories out of turns."""
+    c, names = Counter(), Counter()
     for tr in trajs:
         turns = planner_turns(tr)
         c["trajectories"] += 1
@@ -354,6 +354,8 @@ def cut_counts(trajs: list[dict], max_turns) -> dict:
                 continue
             c["actions"] += 1
             c["loose"] += t["loose"]
+            if t["loose"]:
+                names[(t["tool_line"], t["tool"])] += 1
             c["no_tool"] += t["no_tool"]
             if t["tokens"] is not None:
                 c["with_tokens"] += 1
@@ -361,7 +363,7 @@ def cut_counts(trajs: list[dict], max_turns) -> dict:
             if t["at_cap"] is not None:
                 c["with_finish"] += 1
                 c["at_cap"] += t["at_cap"]
-    return dict(c)
+    return {**c, "loose_names": names}
 
 
 def training_stats(run: dict) -> dict[int, dict]:
@@ -1114,7 +1116,7 @@ def curve_figure(row: tuple, entries: list[tuple], x_range) -> str:
                 names.setdefault(n, "dot" if s == "points" else DASHES[i % len(DASHES)][1])
         if len(names) > 1:
             keys += [(n, "#555", style) for n, style in names.items()]
-    run, vals, facts = entries[0][:3]
+    facts = entries[0][2]
     missing = f"metrics.jsonl has no '{specs[0][0].split(':')[0].replace('tool_share', 'tool_shares')}'"
     if stacks:
         xs = sorted({x for s in stacks for x in s["xs"]})
@@ -1145,14 +1147,14 @@ def cut_table(run: dict) -> str:
     if run["train_stats"]:
         total = Counter()
         for st in run["train_stats"].values():
-            total.update({k: v for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                          and k not in ("reward_std",)})
+            total.update({k: v for k, v in st.items() if isinstance(v, int)})
         scored = [s for s in run["train_stats"] if any(m["step"] == s and num(m.get("planner_tokens")) is not None
                                                        for m in run["metrics"])]
         if not total.get("with_tokens") and scored:  # the loss's own token count, over the same actions
             total["tokens"] = sum(num(m["planner_tokens"]) for m in run["metrics"] if m["step"] in scored)
             total["with_tokens"] = sum(run["train_stats"][s]["actions"] for s in scored)
-        cols.append((f"training rollouts ({len(run['train_stats'])} steps)", dict(total), t_train))
+        names = sum((st["loose_names"] for st in run["train_stats"].values()), Counter())
+        cols.append((f"training rollouts ({len(run['train_stats'])} steps)", {**total, "loose_names": names}, t_train))
     _, _, br, ar, _ = before_after(run)
     for label, rows in (("held-out, before", br), ("held-out, after", ar)):
         if rows:
@@ -1186,13 +1188,8 @@ def cut_table(run: dict) -> str:
         cells[5].append(str(c.get("trajectories", 0)))
         cells[6].append(share(c.get("out_of_turns", 0), c.get("trajectories", 0)) + f" (T = {budget})")
     loose = Counter()
-    for path in run["traj_files"].values():
-        for tr in read_jsonl(path):
-            loose.update((t["tool_line"], t["tool"]) for t in planner_turns(tr) if t["loose"])
-    for rows_ in (br or [], ar or []):
-        for r in rows_:
-            if isinstance(r.get("trajectory"), dict):
-                loose.update((t["tool_line"], t["tool"]) for t in planner_turns(r["trajectory"]) if t["loose"])
+    for _, c, _ in cols:
+        loose.update(c["loose_names"])
     seen = ", ".join(f"“{esc(clip(line, 60))}” → {esc(tool)} ×{k}" for (line, tool), k in loose.most_common(6))
     head = "".join(f"<th>{esc(label)}</th>" for label, _, _ in cols)
     body = "".join(f"<tr><th>{esc(k)}</th>{''.join(f'<td>{esc(v)}</td>' for v in vs)}</tr>" for k, vs in rows.items())
