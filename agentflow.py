@@ -521,7 +521,9 @@ class AgentSystem:
             plans = []
             for tr, p, smp in zip(live, prompts, samples):
                 tr.turns.append(PlannerTurn(p, smp.ids, smp.logprobs, smp.text))
-                tr.log.append({"module": "planner", "turn": turn, "output": "Tool:" + smp.text})
+                # tokens and finish ("length" = cut at max_new_tokens) let the report show what was cut.
+                tr.log.append({"module": "planner", "turn": turn, "output": "Tool:" + smp.text,
+                               "tokens": len(smp.ids), "finish": smp.finish})
                 plans.append(parse_plan(smp.text, self.tools))
 
             # Executor: the frozen LLM turns each valid plan into a concrete command.

@@ -1,29 +1,42 @@
-"""One self-contained HTML page per training run: what a learner would rather look at
-than read logs.
+"""One self-contained HTML page per training run, and one page comparing runs: what a
+learner would rather look at than read logs.
 
-    python report.py OUT_DIR            writes OUT_DIR/report.html and prints its path
+    python report.py OUT_DIR                 writes OUT_DIR/report.html and prints its path
+    python report.py RUN_A RUN_B [...] [--out FILE]
+                                             compares runs; writes FILE, by default
+                                             compare_<A>_<B>...html in the folder that holds
+                                             the runs (a comparison belongs to no one run, so
+                                             it is not written into any of them)
 
-`write_report(out_dir)` does the same from Python (train.py calls it after each
-checkpoint and at the end of a run). The page has five sections:
+`write_report(out_dir)` and `write_comparison(dirs)` do the same from Python (train.py
+calls write_report after each checkpoint and at the end of a run; it also calls
+`record_run`, which writes run.json: the provenance shown in each header). A run's page:
 
-  1. the run: model, seed, steps done, key hyper-parameters, where the wall time went;
-  2. held-out accuracy before vs after training, overall and per task kind, tool-usage
-     shares per kind, tool-call error rate, mean turns, with the deltas;
-  3. training curves (small multiples, inline SVG): reward, KL, clip fraction, tool
-     errors, tool shares, entropy, gradient norm, time per step, ...;
+  1. the run: where it ran (seed, commit, library versions, CPU, threads, total wall
+     time with evaluations), its hyper-parameters, where the training time went;
+  2. held-out accuracy before vs after training per task kind, as counts (38/40) with a
+     95% interval for each accuracy and for the paired change, the items that flipped
+     and a browser of them with the before and after trajectories side by side, tool
+     shares per kind, and the test-time turn-budget sweep when the run has one;
+  3. what was cut or read loosely (planner actions stopped at max_new_tokens, tool names
+     matched loosely, trajectories out of turns), then the training curves as small
+     multiples on one shared x-range;
   4. the tool-usage shift per task kind, before vs after (stacked bars);
-  5. a trajectory browser: pick a step, see each query's G rollouts side by side, with
-     the reward R_i, the advantage A_i that every planner turn of rollout i was trained
-     with, each turn's memory record and the planner's raw action, the answer vs the gold.
+  5. a trajectory browser: each training query's G rollouts side by side, with the
+     reward R_i, the advantage A_i broadcast to every planner turn, each turn's memory
+     record and the planner's raw action, filtered by task kind, reward, tool and flags.
 
 Every file of a run may be missing (a run in progress, evaluation switched off): each
 section renders what exists and says what is not there. Nothing is fetched from the
-network: CSS, SVG and the small script are inline; all text from the run is escaped
-(html.escape in the markup; "<", ">" and "&" escaped inside the embedded JSON, which the
-script only ever writes through textContent).
+network: the style sheet (report.css), the SVG (charts.py) and the script (report.js)
+are inline; all text from the run is escaped (html.escape in the markup; "<", ">" and
+"&" escaped inside the embedded JSON, which the script only writes through textContent).
+
+What it simplifies: the intervals are for the choice of items (the held-out evaluation
+is greedy, so a rerun of the same weights gives the same verdicts); a trajectory step
+browser embeds at most MAX_EMBED_STEPS steps.
 """
 
-import html
 import json
 import math
 import os
@@ -33,6 +46,8 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks import read_jsonl
+from charts import (SMOOTH_FROM, esc, figure, line_chart, num, pct, shift_chart, smooth_window,
+                    stacked_bar_chart)
 from memory import cut
 from tools import TOOL_CLASSES
 
@@ -44,6 +59,10 @@ TOOL_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00",
 KNOWN_TOOLS = list(TOOL_CLASSES)  # tools.py's tools, in its order: each keeps its colour in every report
 OKABE = {"blue": "#0072B2", "orange": "#E69F00", "green": "#009E73", "pink": "#CC79A7",
          "sky": "#56B4E9", "red": "#D55E00", "grey": "#7f7f7f"}
+RUN_COLORS = list(OKABE.values())  # one per run on a comparison page, in the order given
+ASSETS = Path(__file__).resolve().parent  # report.css and report.js live here, and so does the code
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95% intervals
+SUB = ' class="sub"'  # an indented row header (a task kind under its total)
 
 
 def write_report(out_dir) -> Path:
@@ -54,9 +73,24 @@ def write_report(out_dir) -> Path:
     out = Path(out_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"no run directory at {out}")
-    page = render(load_run(out))
-    path = out / "report.html"
-    tmp = out / f".report.html.{os.getpid()}.tmp"
+    return _write(out / "report.html", render(load_run(out)))
+
+
+def write_comparison(run_dirs, out_file=None) -> Path:
+    """Render one page comparing the runs in `run_dirs` (two or more); return its path."""
+    dirs = [Path(d) for d in run_dirs]
+    for d in dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"no run directory at {d}")
+    if out_file is None:
+        parent = Path(os.path.commonpath([str(d.resolve().parent) for d in dirs]))
+        out_file = parent / ("compare_" + "_".join(d.resolve().name for d in dirs)[:150] + ".html")
+    out_file = Path(out_file)
+    return _write(out_file, render_comparison([load_run(d) for d in dirs], out_file))
+
+
+def _write(path: Path, page: str) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, path)  # a reader never sees a half-written page
     return path
@@ -98,8 +132,8 @@ def _summary(s):
 
 
 def load_run(out: Path) -> dict:
-    """Everything the page needs except trajectories, which are read only for the steps
-    the browser embeds."""
+    """Everything the page needs; trajectories are read once for per-step counts, and
+    again only for the steps the browser embeds."""
     metrics = {}
     for row in read_jsonl(out / "metrics.jsonl"):
         if isinstance(row.get("step"), int):
@@ -126,25 +160,21 @@ def load_run(out: Path) -> dict:
     learning = _read_json(out / "learning.json")
     if isinstance(learning, dict):
         learning = {k: _summary(v) for k, v in learning.items()}
-    return {"dir": out, "config": config if isinstance(config, dict) else None,
-            "metrics": [metrics[k] for k in sorted(metrics)], "evals": evals, "other_evals": other_evals,
-            "learning": learning if isinstance(learning, dict) else None,
-            "traj_files": dict(sorted(traj_files.items()))}
+    run_json = _read_json(out / "run.json")
+    processes = run_json.get("processes") if isinstance(run_json, dict) else None
+    sweep = _read_json(out / "turn_sweep.json")
+    run = {"dir": out, "config": config if isinstance(config, dict) else None,
+           "metrics": [metrics[k] for k in sorted(metrics)], "evals": evals, "other_evals": other_evals,
+           "learning": learning if isinstance(learning, dict) else None,
+           "traj_files": dict(sorted(traj_files.items())),
+           "processes": [p for p in processes if isinstance(p, dict)] if isinstance(processes, list) else [],
+           "turn_sweep": sweep if isinstance(sweep, dict) and isinstance(sweep.get("planners"), dict) else None}
+    run["train_stats"] = training_stats(run)
+    return run
 
 
 # ----------------------------------------------------------------------------------------
 # Small formatting helpers
-
-
-def esc(x) -> str:
-    return html.escape(str(x), quote=True)
-
-
-def num(v) -> float | None:
-    """A finite float, or None (missing, not a number, NaN, inf)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
 
 
 def cfg_get(cfg: dict | None, dotted: str, default=None):
@@ -154,11 +184,6 @@ def cfg_get(cfg: dict | None, dotted: str, default=None):
             return default
         node = node[key]
     return node
-
-
-def pct(v) -> str:
-    v = num(v)
-    return "—" if v is None else f"{100 * v:.1f}%"
 
 
 def fmt(v, digits=3) -> str:
@@ -189,12 +214,6 @@ def note(text: str, cls: str = "note") -> str:
     return f'<p class="{cls}">{text}</p>'
 
 
-def light(color: str) -> bool:
-    """Is this #rrggbb colour light enough that text on it should be dark?"""
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
-    return 0.299 * r + 0.587 * g + 0.114 * b > 150
-
-
 def tool_colors(run: dict) -> dict[str, str]:
     """One colour per tool, the same in every chart and every run's report. Listed in the
     configured order (then any other tool seen), coloured by tools.py's order."""
@@ -213,202 +232,272 @@ def tool_colors(run: dict) -> dict[str, str]:
                            % len(TOOL_COLORS)] for t in names}
 
 
+def kind_colors(kinds) -> dict[str, str]:
+    """One colour per task kind, by sorted name (the same kind keeps it across runs)."""
+    palette = [OKABE[c] for c in ("sky", "pink", "green", "red", "grey", "blue", "orange")]
+    return {k: palette[i % len(palette)] for i, k in enumerate(sorted(kinds))}
+
+
 # ----------------------------------------------------------------------------------------
-# Inline SVG charts. Axis ranges get "nice" round ticks; titles and legends live in the
-# HTML around the SVG, so nothing inside the plot can overlap them.
-
-W, H = 460, 230
-ML, MR, MT, MB = 64, 14, 12, 40  # margins: left (tick labels + y label), right, top, bottom
+# Intervals for held-out accuracies. The before and after evaluations score the same n
+# items, so the change is a paired comparison: only the items that flipped say anything
+# about it (an item right on both sides, or wrong on both, adds nothing).
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> tuple[float, float, list[float]]:
-    """Round bounds that contain [lo, hi] and about n evenly spaced ticks between them."""
-    if hi < lo:
-        lo, hi = hi, lo
-    if hi == lo:
-        pad = abs(lo) * 0.1 or (1.0 if integer else 0.1)
-        lo, hi = lo - pad, hi + pad
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if (hi - lo) / (m * mag) <= n)
-    if integer:
-        step = max(1.0, round(step))
-    start, end = math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
-    ticks = [start + i * step for i in range(int(round((end - start) / step)) + 1)]
-    return start, end, ticks
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion k/n. Unlike p ± z·sqrt(p(1-p)/n) it stays in
+    [0, 1] and does not shrink to a point at k = 0 or k = n, where held-out accuracies
+    per task kind often sit."""
+    if n <= 0:
+        return 0.0, 1.0
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def tick_exponent(ticks: list[float]) -> int:
-    """e such that the ticks read best as multiples of 10^e (0 for ordinary ranges)."""
-    top = max(abs(t) for t in ticks)
-    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else top
-    if top == 0 or (step >= 1e-3 and top < 1e5):
-        return 0
-    return math.floor(math.log10(top))
+def paired_change_interval(both: int, gained: int, lost: int, neither: int, z: float = Z95) -> tuple[float, float]:
+    """Interval for after - before accuracy on the same items: Newcombe's hybrid score
+    interval for paired proportions (his method 10, 1998).
+
+    With a = right on both sides, b = gained (wrong -> right), c = lost (right -> wrong),
+    d = wrong on both: p_after = (a+b)/n, p_before = (a+c)/n, change D = (b-c)/n. phi is
+    the correlation of the before and after verdicts, (ad - bc) / sqrt((a+b)(c+d)(a+c)(b+d)),
+    with ad - bc moved n/2 towards 0 when positive (Newcombe's correction) and phi = 0
+    when a margin is empty. Items that stay right (or wrong) make phi > 0, which narrows
+    the interval: the change is then carried by the few items that flipped."""
+    n = both + gained + lost + neither
+    margins = (both + gained) * (lost + neither) * (both + lost) * (gained + neither)
+    cross = both * neither - gained * lost
+    cross = max(cross - n / 2, 0.0) if cross > 0 else cross
+    return change_interval(both + gained, both + lost, n, cross / math.sqrt(margins) if margins else 0.0, z)
 
 
-def tick_label(v: float, ticks: list[float]) -> str:
-    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 1.0
-    if abs(v) < step * 1e-6:
-        return "0"
-    decimals = next((d for d in range(7) if abs(round(step, d) - step) < step * 1e-6), 6)
-    return f"{v:,.{decimals}f}"
+def change_interval(k_after: int, k_before: int, n: int, phi: float = 0.0, z: float = Z95) -> tuple[float, float]:
+    """Newcombe's interval for p_after - p_before from each side's Wilson interval (l, u):
+    the distances from each p to its limits, added in quadrature less 2 phi times their
+    product,
+        lower = D - sqrt((pa - la)^2 - 2 phi (pa - la)(ub - pb) + (ub - pb)^2)
+        upper = D + sqrt((pb - lb)^2 - 2 phi (pb - lb)(ua - pa) + (ua - pa)^2).
+    phi = 0 treats the two sides as independent samples (wider than the paired interval
+    whenever the verdicts are positively correlated)."""
+    if n <= 0:
+        return -1.0, 1.0
+    pa, pb = k_after / n, k_before / n
+    (la, ua), (lb, ub) = wilson(k_after, n, z), wilson(k_before, n, z)
+    d = pa - pb
+    lower = d - math.sqrt(max(0.0, (pa - la) ** 2 - 2 * phi * (pa - la) * (ub - pb) + (ub - pb) ** 2))
+    upper = d + math.sqrt(max(0.0, (pb - lb) ** 2 - 2 * phi * (pb - lb) * (ua - pa) + (ua - pa) ** 2))
+    return max(-1.0, lower), min(1.0, upper)
 
 
-def _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt=None) -> list[str]:
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
-    out = [f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" class="plot"/>']
-    e = 0 if y_fmt else tick_exponent(yt)  # tiny or huge values: ticks in units of 10^e
-    scaled = [t / 10 ** e for t in yt]
-    for t, st in zip(yt, scaled):
-        out.append(f'<line x1="{ML}" x2="{ML + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" class="grid"/>')
-        label = y_fmt(t) if y_fmt else tick_label(st, scaled)
-        out.append(f'<text x="{ML - 6}" y="{sy(t) + 4:.1f}" class="tick" text-anchor="end">{esc(label)}</text>')
-    for t in xt:
-        if x0 - 1e-9 <= t <= x1 + 1e-9:
-            out.append(f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{MT + ph}" y2="{MT + ph + 4}" class="axis"/>')
-            out.append(f'<text x="{sx(t):.1f}" y="{MT + ph + 16}" class="tick" text-anchor="middle">'
-                       f'{esc(tick_label(t, xt))}</text>')
-    out.append(f'<text x="{ML + pw / 2}" y="{H - 6}" class="alabel" text-anchor="middle">{esc(x_label)}</text>')
-    unit = f' (×10<tspan dy="-5" font-size="9">{e}</tspan><tspan dy="5"> </tspan>)' if e else ""
-    out.append(f'<text transform="translate(13 {MT + ph / 2}) rotate(-90)" class="alabel" '
-               f'text-anchor="middle">{esc(y_label)}{unit}</text>')
-    return out
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Exact McNemar test: if training changed nothing, each flipped item is equally likely
+    to have flipped either way, so gained ~ Binomial(gained + lost, 1/2). Two-sided p."""
+    m = gained + lost
+    if m == 0:
+        return 1.0
+    tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2 ** m
+    return min(1.0, 2 * tail)
 
 
-def _scales(xs, ys, y_min, y_max, zero):
-    x0, x1 = min(xs), max(xs)
-    if x0 == x1:
-        x0, x1 = x0 - 1, x1 + 1
-    _, _, xt = nice_ticks(x0, x1, n=6, integer=True)
-    lo, hi = min(ys), max(ys)
-    if zero:
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
-        if lo == hi == 0.0:
-            hi = 1.0  # all zero: draw the line on a 0..1 axis, not around it
-    if y_min is not None and y_max is not None:
-        y0, y1 = y_min, y_max
-        _, _, yt = nice_ticks(y0, y1)
-    else:
-        y0, y1, yt = nice_ticks(lo, hi)
-    return x0, x1, xt, y0, y1, yt
+# ----------------------------------------------------------------------------------------
+# What each planner action did: the raw text, the tool it was read as, whether it was cut
+# at max_new_tokens, whether the tool name was matched loosely. Shared by the training
+# trajectories and the trajectories inside held-out results.
 
 
-SMOOTH_FROM = 30  # longer series: a faint raw line under a moving average, no dots
-
-
-def smooth_window(n: int) -> int:
-    """Width of the centred moving average drawn over a series of n steps (odd)."""
-    return max(3, n // 15) | 1
-
-
-def moving_average(ys: list, w: int) -> list:
-    """Centred moving average over the values present in each window (None stays None)."""
+def planner_turns(traj: dict) -> list[dict]:
+    """One entry per turn of a trajectory dict (Trajectory.to_dict), in turn order."""
+    log = traj.get("log") if isinstance(traj.get("log"), list) else []
+    memory = traj.get("memory") if isinstance(traj.get("memory"), list) else []
+    planner = {e.get("turn"): e for e in log if isinstance(e, dict) and e.get("module") == "planner"}
+    records = {r.get("turn"): r for r in memory if isinstance(r, dict)}
     out = []
-    for i, y in enumerate(ys):
-        window = [v for v in ys[max(0, i - w // 2):i + w // 2 + 1] if v is not None]
-        out.append(None if y is None else sum(window) / len(window))
+    for t in sorted(t for t in set(records) | set(planner) if isinstance(t, int)):
+        entry, rec = planner.get(t, {}), records.get(t, {})
+        raw = str(entry.get("output") or "")
+        line = (raw.strip().splitlines() or [""])[0].strip()
+        if line.lower().startswith("tool:"):
+            line = line[5:].strip()
+        tool = str(rec.get("tool") or "")
+        tokens, finish = entry.get("tokens"), entry.get("finish")
+        out.append({"turn": t, "raw": raw, "tool_line": line, "tool": tool, "record": rec, "recorded": t in records,
+                    # agentflow.parse_plan takes an exact tool name first, then any alias
+                    # ("python" -> Python_Coder): a tool line without the exact name was
+                    # read loosely, "Python_Corner" as Python_Coder.
+                    "loose": bool(tool) and tool.lower() not in line.lower(),
+                    "no_tool": t in records and not tool and t in planner,
+                    "tokens": tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+                    "at_cap": finish == "length" if isinstance(finish, str) else None})
     return out
 
 
-def _polylines(data: list, sx, sy, attrs: str) -> list[str]:
-    """One <polyline> per run of present values (None breaks the line)."""
-    out, segment = [], []
-    for x, y in data + [(None, None)]:
-        if y is None:
-            if len(segment) > 1:
-                out.append(f'<polyline points="{" ".join(segment)}" fill="none" {attrs}/>')
-            segment = []
-        else:
-            segment.append(f"{sx(x):.1f},{sy(y):.1f}")
+def out_of_turns(turns: list[dict], max_turns) -> bool:
+    """Used the whole turn budget without the verifier ever saying STOP."""
+    recorded = [t for t in turns if t["recorded"]]
+    return bool(max_turns) and len(recorded) >= max_turns and not any(
+        str(t["record"].get("verdict", "")).lower() == "stop" for t in recorded)
+
+
+def cut_counts(trajs: list[dict], max_turns) -> dict:
+    """Counts over trajectories: planner actions, their tokens where recorded, actions cut
+    at max_new_tokens, loose tool-name matches (and which: "loose_names"), actions naming
+    no tool, trajectories out of turns."""
+    c, names = Counter(), Counter()
+    for tr in trajs:
+        turns = planner_turns(tr)
+        c["trajectories"] += 1
+        c["out_of_turns"] += out_of_turns(turns, max_turns)
+        for t in turns:
+            if not t["raw"] and not t["recorded"]:
+                continue
+            c["actions"] += 1
+            c["loose"] += t["loose"]
+            if t["loose"]:
+                names[(t["tool_line"], t["tool"])] += 1
+            c["no_tool"] += t["no_tool"]
+            if t["tokens"] is not None:
+                c["with_tokens"] += 1
+                c["tokens"] += t["tokens"]
+            if t["at_cap"] is not None:
+                c["with_finish"] += 1
+                c["at_cap"] += t["at_cap"]
+    return {**c, "loose_names": names}
+
+
+def training_stats(run: dict) -> dict[int, dict]:
+    """Per training step, from trajectories/step_N.jsonl: the cut counts, reward per task
+    kind, and the spread of rewards within query groups."""
+    max_turns = num(cfg_get(run["config"], "agent.max_turns"))
+    out = {}
+    for step, path in run["traj_files"].items():
+        rows = [r for r in read_jsonl(path) if isinstance(r, dict)]
+        if not rows:
+            continue
+        st = cut_counts(rows, max_turns)
+        by_kind, groups = {}, {}
+        for k, r in enumerate(rows):
+            reward = num(r.get("reward"))
+            if reward is None:
+                continue
+            by_kind.setdefault(str(r.get("task") or ""), []).append(reward)
+            groups.setdefault(r.get("group", k), []).append(reward)
+        st["reward_kind"] = {k: sum(v) / len(v) for k, v in by_kind.items() if k}
+        stds = [math.sqrt(sum((x - sum(g) / len(g)) ** 2 for x in g) / len(g)) for g in groups.values() if g]
+        st["reward_std"] = sum(stds) / len(stds) if stds else None
+        out[step] = st
     return out
 
 
-def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=None, y_max=None,
-               zero: bool = False, y_fmt=None) -> str | None:
-    """series: [{name, xs, ys, color, dash?, points?}]; None values break a line. None if no data.
-    points: markers only (held-out evaluations). Over SMOOTH_FROM values, a line is drawn
-    faint with its moving average on top."""
-    pts = [(x, y) for s in series for x, y in zip(s["xs"], s["ys"]) if y is not None]
-    if not pts:
+def tokens_per_action(run: dict, step: int, st: dict) -> float | None:
+    """Mean tokens per planner action at this step. From the planner log entries
+    when they carry token counts; otherwise metrics' planner_tokens (every action token
+    the loss scored) over the number of actions."""
+    if st.get("with_tokens") and st["with_tokens"] == st.get("actions"):
+        return st["tokens"] / st["with_tokens"]
+    row = next((m for m in run["metrics"] if m["step"] == step), None)
+    tokens = num((row or {}).get("planner_tokens"))
+    if tokens is None or not st.get("actions"):
         return None
-    x0, x1, xt, y0, y1, yt = _scales([p[0] for p in pts], [p[1] for p in pts], y_min, y_max, zero)
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (min(max(y, y0), y1) - y0) / (y1 - y0) * ph  # noqa: E731
-    out = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt)
-    for s in series:
-        color, name = esc(s["color"]), s["name"]
-        data = list(zip(s["xs"], s["ys"]))
-        present = [(x, y) for x, y in data if y is not None]
-        dash = ' stroke-dasharray="6 4"' if s.get("dash") else ""
-        if s.get("points"):
-            pass
-        elif len(present) > SMOOTH_FROM:
-            out += _polylines(data, sx, sy, f'stroke="{color}" stroke-width="1" stroke-opacity="0.35"')
-            smooth = moving_average(list(s["ys"]), smooth_window(len(present)))
-            out += _polylines(list(zip(s["xs"], smooth)), sx, sy, f'stroke="{color}" stroke-width="2.2"{dash}')
-        else:
-            out += _polylines(data, sx, sy, f'stroke="{color}" stroke-width="2"{dash}')
-        if s.get("points") or len(present) <= SMOOTH_FROM:  # dots with a hover tooltip
-            r = 4.5 if s.get("points") else (2.5 if len(present) > 1 else 3.5)
-            for x, y in present:
-                tip = f"{name}, step {x:g}: {y:.4g}"
-                fill = "#fff" if s.get("points") else color
-                out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{fill}" stroke="{color}" '
-                           f'stroke-width="2"><title>{esc(tip)}</title></circle>')
-    return _svg(out)
+    return tokens / st["actions"]
 
 
-def stacked_bar_chart(xs: list, stacks: list[dict], y_label: str, x_label: str = "step") -> str | None:
-    """One bar per x, split into stacks [{name, ys, color}] (missing values count 0)."""
-    if not xs or not stacks:
-        return None
-    totals = [sum(num(s["ys"][i]) or 0.0 for s in stacks) for i in range(len(xs))]
-    x0, x1, xt, y0, y1, yt = _scales([x - 0.5 for x in xs] + [x + 0.5 for x in xs], totals, None, None, True)
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
-    out = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label)
-    bw = max(1.0, 0.8 * pw / max(1.0, x1 - x0))
-    for i, x in enumerate(xs):
-        base = 0.0
-        for s in stacks:
-            v, name = num(s["ys"][i]) or 0.0, s["name"]
-            if v > 0:
-                out.append(f'<rect x="{sx(x) - bw / 2:.1f}" y="{sy(base + v):.1f}" width="{bw:.1f}" '
-                           f'height="{max(0.0, sy(base) - sy(base + v)):.1f}" fill="{esc(s["color"])}">'
-                           f'<title>{esc(f"step {x}: {name} {v:.1f} s")}</title></rect>')
-            base += v
-    return _svg(out)
-
-
-def _svg(parts: list[str], width: int = W, height: int = H) -> str:
-    return (f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-            f'xmlns="http://www.w3.org/2000/svg" role="img">' + "".join(parts) + "</svg>")
-
-
-def legend(items: list[tuple[str, str, str]]) -> str:
-    """items: (name, colour, style) with style 'line' | 'dash' | 'dot' | 'box'."""
-    spans = []
-    for name, color, style in items:
-        spans.append(f'<span class="key"><i class="sw {esc(style)}" style="--c:{esc(color)}"></i>{esc(name)}</span>')
-    return f'<div class="legend">{"".join(spans)}</div>'
-
-
-def figure(title: str, svg: str | None, explain: str, keys: list[tuple[str, str, str]] | None = None,
-           missing: str = "") -> str:
-    """A chart with its title, legend and one line saying what it shows. With no data, the
-    figure says so instead of drawing empty axes."""
-    body = svg if svg else f'<div class="empty">No data: {esc(missing or "nothing recorded yet")}.</div>'
-    return (f'<figure class="chart"><figcaption><b>{esc(title)}</b></figcaption>'
-            f'{legend(keys) if keys and svg else ""}{body}<p class="explain">{explain}</p></figure>')
+def cap_share(st: dict, mean_tokens: float | None, cap) -> tuple[float | None, bool]:
+    """(share of planner actions cut at max_new_tokens, exact?). Exact from the finish
+    reasons in the log; without them, a lower bound from the mean: actions not at the cap
+    have at most cap - 1 tokens, so mean <= cap - 1 + share, i.e. share >= mean - cap + 1."""
+    if st.get("with_finish") and st["with_finish"] == st.get("actions"):
+        return st["at_cap"] / st["with_finish"], True
+    if mean_tokens is None or not cap:
+        return None, False
+    return max(0.0, min(1.0, mean_tokens - cap + 1)), False
 
 
 # ----------------------------------------------------------------------------------------
-# Section 1: the run
+# Section 1: the run, and the header line that says where it ran
+
+PROVENANCE_FIELDS = [("git_commit", "git commit"), ("torch", "torch"), ("transformers", "transformers"),
+                     ("python", "python"), ("cpu", "CPU"), ("cpu_capability", "CPU kernels (SIMD)"),
+                     ("threads", "torch threads"), ("gpu", "GPU")]
+
+
+def wall_time(run: dict) -> tuple[float | None, str]:
+    """(total wall time of the run, evaluations included, or None; how it was counted)."""
+    procs = run["processes"]
+    last = num(cfg_get(run["learning"], "run.wall_s"))  # the last process, start to final evaluation
+    if procs:
+        times = [num(p.get("wall_s")) for p in procs]
+        if times[-1] is None and last is not None:
+            times[-1] = last
+        known = [t for t in times if t is not None]
+        if not known:
+            return None, "not recorded yet: the run is in progress, or its process was killed"
+        how = f"{len(procs)} process{'es' if len(procs) > 1 else ''}, evaluations included"
+        if len(known) < len(times):
+            how += f"; {len(times) - len(known)} not timed (still running, or killed), so at least this"
+        return sum(known), how
+    if last is not None:
+        return last, "from learning.json, evaluations included (only the last process if the run was resumed)"
+    return None, "not recorded (no run.json, no learning.json)"
+
+
+def short_commit(c) -> str:
+    if not c:
+        return "not in a git checkout"
+    sha, *rest = str(c).split()
+    return " ".join([sha[:10]] + rest)
+
+
+def provenance_rows(run: dict) -> list[tuple[str, str]]:
+    """(label, value) rows of where the run ran; a field that changed between the
+    processes of a resumed run shows every value."""
+    procs = run["processes"]
+    rows = [("seed", cfg_get(run["config"], "seed", (procs[0] if procs else {}).get("seed")))]
+    for key, label in PROVENANCE_FIELDS:
+        values = []
+        for p in procs:
+            v = short_commit(p.get(key)) if key == "git_commit" else p.get(key)
+            if v is not None and v not in values:
+                values.append(v)
+        if values:
+            rows.append((label, " → ".join(map(str, values)) + ("  (changed when the run was resumed)"
+                                                               if len(values) > 1 else "")))
+    if procs:
+        rows.append(("started", procs[0].get("started")))
+    total, how = wall_time(run)
+    rows.append(("wall time in all", (duration(total) if total is not None else "—") + f" ({how})"))
+    return [(k, v) for k, v in rows if v is not None]
+
+
+def provenance_line(run: dict) -> str:
+    """The header's one line: enough to tell two runs apart at a glance."""
+    procs, cfg = run["processes"], run["config"]
+    p = procs[-1] if procs else {}
+    bits = []
+    if cfg_get(cfg, "seed") is not None:
+        bits.append(f"seed {cfg_get(cfg, 'seed')}")
+    if p:
+        bits += [f"commit {short_commit(p.get('git_commit'))}", f"torch {p.get('torch')}",
+                 f"CPU {p.get('cpu')}" + (f" ({p['cpu_capability']})" if p.get("cpu_capability") else ""),
+                 f"{p.get('threads')} threads"]
+        if p.get("gpu"):
+            bits.append(f"GPU {p['gpu']}")
+    else:
+        bits.append("provenance not recorded (no run.json: the run predates it)")
+    total, how = wall_time(run)
+    if total is not None:
+        bits.append(f"{duration(total)} wall time in all" + (" (at least)" if "at least" in how else ""))
+    return " · ".join(esc(b) for b in bits)
+
+
+def header_warnings(run: dict) -> list[str]:
+    out = []
+    if cfg_get(run["config"], "tools.python_isolation") == "rlimits":
+        out.append("<b>Weaker Python sandbox:</b> this run set <code>tools.python_isolation: rlimits</code>, "
+                   "so the code the model wrote ran under resource limits only, without the default isolation. "
+                   "It was selected explicitly in the config.")
+    return [note(w, "note warn banner") for w in out]
 
 
 def section_run(run: dict) -> str:
@@ -421,7 +510,7 @@ def section_run(run: dict) -> str:
         status = (" (finished)" if steps_done >= planned and run["learning"] else
                   " (training finished; final evaluation not written yet)" if steps_done >= planned
                   else " (in progress, or stopped early)")
-    rows = [("model", cfg_get(cfg, "model.name")), ("seed", cfg_get(cfg, "seed")),
+    rows = [("model", cfg_get(cfg, "model.name")),
             ("steps done", f"{steps_done} of {planned if planned is not None else '?'}{status}"),
             ("queries per step Q", t.get("queries_per_step")), ("rollouts per query G", t.get("group_size")),
             ("learning rate", t.get("lr")), ("KL coefficient β", t.get("beta")),
@@ -429,6 +518,7 @@ def section_run(run: dict) -> str:
              if "eps_low" in t or "eps_high" in t else None),
             ("max turns (train / eval)", f'{cfg_get(cfg, "agent.max_turns", "?")} / '
              f'{cfg_get(cfg, "eval.max_turns", "?")}' if cfg else None),
+            ("planner max_new_tokens", cfg_get(cfg, "agent.planner.max_new_tokens")),
             ("advantage mode", t.get("advantage_mode")),
             ("epochs × minibatches per step", f'{t["epochs"]} × {t["minibatches"]}'
              if "epochs" in t and "minibatches" in t else None),
@@ -438,15 +528,20 @@ def section_run(run: dict) -> str:
              "greedy" if cfg_get(cfg, "eval.planner_temperature") == 0 else
              f'temperature {cfg_get(cfg, "eval.planner_temperature")}'),
             ("toolset K", ", ".join(map(str, cfg_get(cfg, "agent.tools", []) or [])) or None),
+            ("Python sandbox", cfg_get(cfg, "tools.python_isolation")),
             ("trained layers", (t.get("train_layers") or "all") if "train_layers" in t else None)]
     cells = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in rows if v is not None)
+    prov = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in provenance_rows(run))
     parts = ['<section id="run"><h2>1. The run</h2>']
     if not cfg:
         parts.append(note("<b>config.json is missing</b>: hyper-parameters unknown; the run was not started "
                           "by train.py or the file was removed."))
-    parts.append(f'<div class="cols"><table class="kv">{cells}</table>')
+    parts.append(f'<div class="cols"><div><h3>Hyper-parameters</h3><table class="kv">{cells}</table></div>'
+                 f'<div><h3>Where it ran</h3><table class="kv">{prov}</table>'
+                 + ("" if run["processes"] else note("No run.json: train.py writes it from this version on "
+                                                     "(seed, commit, versions, CPU, threads, wall time).")))
 
-    # Where the time went.
+    # Where the training time went.
     totals = {k: sum(num(m.get(f"time_{k}")) or 0.0 for m in metrics) for k in ("rollout", "judge", "update")}
     total = sum(totals.values())
     if total > 0:
@@ -456,14 +551,15 @@ def section_run(run: dict) -> str:
         lines = "".join(f'<tr><th><i class="sw box" style="--c:{colors[k]}"></i>{esc(k)}</th>'
                         f'<td>{esc(duration(v))}</td><td>{100 * v / total:.1f}%</td></tr>'
                         for k, v in totals.items())
-        parts.append(f'<div><h3>Wall time of {len(metrics)} training steps: {esc(duration(total))}</h3>'
+        parts.append(f'<h3>Wall time of {len(metrics)} training steps: {esc(duration(total))}</h3>'
                      f'<div class="timebar">{bar}</div><table class="kv">{lines}</table>'
                      + note("rollout = the four-module loop sampling Q×G trajectories; judge = scoring the "
                             "final answers; update = the Flow-GRPO loss and optimizer steps. Held-out "
-                            "evaluations and checkpoints are not included.") + "</div>")
+                            "evaluations and checkpoints are not included here; the wall time in all (above) "
+                            "includes them."))
     else:
-        parts.append('<div>' + note("No timing yet: metrics.jsonl has no steps.") + "</div>")
-    parts.append("</div>")
+        parts.append(note("No timing yet: metrics.jsonl has no steps."))
+    parts.append("</div></div>")  # the right-hand column, the columns
     if metrics:
         last = metrics[-1]
         parts.append(note(f"Last step ({esc(last['step'])}): reward mean {esc(fmt(last.get('reward_mean')))}, "
@@ -497,6 +593,60 @@ def before_after(run: dict) -> tuple[dict | None, dict | None, list | None, list
         src += f" (no learning.json yet: 'after' is the latest held-out evaluation, at step {last_step})"
     return (first["summary"] if first else None, last["summary"] if last else None,
             first["results"] if first else None, last["results"] if last else None, src)
+
+
+def accuracy_rows(b: dict, a: dict, br: list | None, ar: list | None) -> list[dict]:
+    """Per task kind ('all' first): n, correct before and after, and, when both results
+    files are there, the flips (paired by item id)."""
+    kinds = sorted(set(b.get("by_kind") or {}) | set(a.get("by_kind") or {}))
+    out = []
+    for kind in ["all"] + kinds:
+        sb = b if kind == "all" else (b.get("by_kind") or {}).get(kind) or {}
+        sa = a if kind == "all" else (a.get("by_kind") or {}).get(kind) or {}
+        row = {"kind": kind}
+        for side, s in (("before", sb), ("after", sa)):
+            n, acc = s.get("n"), num(s.get("accuracy"))
+            if isinstance(n, int) and acc is not None:
+                row[side] = (round(acc * n), n)  # accuracy = correct / n, so this is the count
+        if br and ar:
+            before = {r.get("id"): bool(r.get("correct")) for r in br if kind in ("all", r.get("task"))}
+            after = {r.get("id"): bool(r.get("correct")) for r in ar if kind in ("all", r.get("task"))}
+            common = set(before) & set(after)
+            cells = Counter((before[i], after[i]) for i in common)
+            row["paired"] = {"both": cells[(True, True)], "gained": cells[(False, True)],
+                             "lost": cells[(True, False)], "neither": cells[(False, False)], "n": len(common)}
+        out.append(row)
+    return out
+
+
+def count_cell(kn) -> str:
+    if not kn:
+        return "<td>—</td>"
+    k, n = kn
+    lo, hi = wilson(k, n)
+    return (f'<td><b>{k}/{n}</b> = {esc(pct(k / n if n else None))}'
+            f'<br><span class="ci">[{100 * lo:.1f}, {100 * hi:.1f}]</span></td>')
+
+
+def change_cells(row: dict, with_p: bool = True) -> str:
+    """Δ with its interval, the flips, and McNemar's p (flips and p only when paired)."""
+    b, a, p = row.get("before"), row.get("after"), row.get("paired")
+    if not b or not a:
+        return "<td>—</td>" * (3 if with_p else 2)
+    if p and p["n"] == b[1] == a[1]:
+        lo, hi = paired_change_interval(p["both"], p["gained"], p["lost"], p["neither"])
+        how = "paired"
+    else:
+        lo, hi = change_interval(a[0], b[0], a[1]) if a[1] == b[1] else (None, None)
+        how = "unpaired"
+    d = round(100 * (a[0] / a[1] - b[0] / b[1]), 1) if a[1] and b[1] else 0.0
+    cls = "good" if lo is not None and lo > 0 else "bad" if hi is not None and hi < 0 else ""
+    ci = f'<br><span class="ci">[{100 * lo:+.1f}, {100 * hi:+.1f}] {how}</span>' if lo is not None else ""
+    change = f'<td class="{cls}">{d:+.1f} pp{ci}</td>'
+    if not p:
+        return change + '<td class="dim">no results.jsonl</td>' + ("<td>—</td>" if with_p else "")
+    return (change + f'<td><span class="good">+{p["gained"]}</span> / <span class="bad">−{p["lost"]}</span></td>'
+            + (f'<td>{mcnemar_p(p["gained"], p["lost"]):.3g}</td>' if with_p else ""))
 
 
 def shares_from_results(rows: list[dict]) -> dict[str, dict[str, tuple[float, int]]]:
@@ -543,8 +693,19 @@ def delta_cell(b, a, good: str = "up", scale: float = 1.0, unit: str = "", digit
     return f'<td class="{cls}">{d:+.{digits}f}{esc(unit)}</td>'
 
 
+INTERVALS_NOTE = (
+    "Brackets: 95% intervals, in %. For each accuracy, the <b>Wilson score interval</b> for k correct out of n: "
+    "unlike p ± 1.96·SE it stays within 0–100% and keeps its width at 0/n and n/n. Before and after score the "
+    "<i>same</i> items, so the change is <b>paired</b>: an item right (or wrong) on both sides says nothing "
+    "about it, and only the flips do. Its interval is <b>Newcombe's paired score interval</b> (method 10: the two "
+    "Wilson intervals combined with the correlation of the before and after verdicts), and p is the <b>exact "
+    "McNemar test</b> of wrong→right against right→wrong flips (under no change each flip is a fair coin). "
+    "Green or red: the interval excludes 0. The evaluation is greedy, so the uncertainty is over which items were "
+    "drawn, not over sampling: with n = 40 one item is 2.5 points and a 5-point change is two questions.")
+
+
 def section_before_after(run: dict) -> str:
-    b, a, _, _, src = before_after(run)
+    b, a, br, ar, src = before_after(run)
     parts = ['<section id="before-after"><h2>2. Held-out evaluation: before vs after training</h2>']
     if not b and not a:
         parts.append(note("<b>No held-out evaluation yet.</b> train.py writes eval/step_0 before the first step "
@@ -553,8 +714,7 @@ def section_before_after(run: dict) -> str:
     else:
         parts.append(note(f"Source: {esc(src)}. <i>Before</i> = the untrained planner (step 0); <i>after</i> = "
                           "the planner after Flow-GRPO. Same held-out items and evaluation seed on both sides; a "
-                          "crashed item counts as wrong. Δ = after − before, in percentage points (pp) for "
-                          "accuracies and rates; green = better."))
+                          "crashed item counts as wrong. Δ = after − before, in percentage points (pp)."))
         if not a:
             parts.append(note("<b>No after-training evaluation yet</b> (the run or its final evaluation has not "
                               "finished): only the before column is filled.", "note warn"))
@@ -562,60 +722,38 @@ def section_before_after(run: dict) -> str:
             parts.append(note("<b>No before-training evaluation</b> (eval/step_0 and learning.json's 'before' "
                               "are missing): only the after column is filled.", "note warn"))
         b, a = b or {}, a or {}
+        rows = accuracy_rows(b, a, br, ar)
+        body = "".join(f'<tr><th{SUB if r["kind"] != "all" else ""}>'
+                       f'{"accuracy, all items" if r["kind"] == "all" else esc(r["kind"])}</th>'
+                       f'{count_cell(r.get("before"))}{count_cell(r.get("after"))}{change_cells(r)}</tr>'
+                       for r in rows)
+        parts.append('<table class="grid acc"><thead><tr><th>task kind</th><th>before</th><th>after</th>'
+                     '<th>Δ (interval)</th><th>flips: wrong→right / right→wrong</th><th>McNemar p</th></tr></thead>'
+                     f'<tbody>{body}</tbody></table>' + note(INTERVALS_NOTE, "note small"))
+
         kinds = sorted(set(b.get("by_kind") or {}) | set(a.get("by_kind") or {}))
         bk = lambda s, k: (s.get("by_kind") or {}).get(k, {})  # noqa: E731
 
-        def row(label, bv, av, render, good, scale=1.0, unit="", digits=1):
-            sub = ' class="sub"' if label.startswith("&nbsp;") else ""
-            label = label.replace("&nbsp;&nbsp;", "")
-            return (f"<tr><th{sub}>{label}</th><td>{esc(render(bv))}</td><td>{esc(render(av))}</td>"
-                    f"{delta_cell(bv, av, good, scale, unit, digits)}</tr>")
+        def row(label, bv, av, render, good, scale=1.0, unit="", digits=1, sub=False):
+            return (f"<tr><th{SUB if sub else ''}>{label}</th><td>{esc(render(bv))}</td>"
+                    f"<td>{esc(render(av))}</td>{delta_cell(bv, av, good, scale, unit, digits)}</tr>")
 
-        n = lambda s: f' <span class="dim">(n={esc(s.get("n", "?"))})</span>'  # noqa: E731
-        rows = [row(f"accuracy, all items{n(a or b)}", b.get("accuracy"), a.get("accuracy"), pct, "up", 100, " pp")]
-        rows += [row(f"&nbsp;&nbsp;accuracy, {esc(k)}{n(bk(a, k) or bk(b, k))}", bk(b, k).get("accuracy"),
-                     bk(a, k).get("accuracy"), pct, "up", 100, " pp") for k in kinds]
-        rows += [row("mean F1", b.get("mean_f1"), a.get("mean_f1"), fmt, "up", 1, "", 3),
-                 row("tool-call error rate", b.get("tool_error_rate"), a.get("tool_error_rate"), pct, "down", 100,
-                     " pp")]
-        rows += [row(f"&nbsp;&nbsp;tool-call error rate, {esc(k)}", bk(b, k).get("tool_error_rate"),
-                     bk(a, k).get("tool_error_rate"), pct, "down", 100, " pp") for k in kinds]
-        rows += [row("mean turns", b.get("mean_turns"), a.get("mean_turns"), lambda v: fmt(v, 2), "none", 1, "", 2)]
-        rows += [row(f"&nbsp;&nbsp;mean turns, {esc(k)}", bk(b, k).get("mean_turns"), bk(a, k).get("mean_turns"),
-                     lambda v: fmt(v, 2), "none", 1, "", 2) for k in kinds]
-        rows += [row("crashed items", b.get("crashed"), a.get("crashed"), lambda v: "—" if v is None else str(v),
+        more = [row("mean F1", b.get("mean_f1"), a.get("mean_f1"), fmt, "up", 1, "", 3),
+                row("tool-call error rate", b.get("tool_error_rate"), a.get("tool_error_rate"), pct, "down", 100,
+                    " pp")]
+        more += [row(f"tool-call error rate, {esc(k)}", bk(b, k).get("tool_error_rate"),
+                     bk(a, k).get("tool_error_rate"), pct, "down", 100, " pp", sub=True) for k in kinds]
+        more += [row("mean turns", b.get("mean_turns"), a.get("mean_turns"), lambda v: fmt(v, 2), "none", 1, "", 2)]
+        more += [row(f"mean turns, {esc(k)}", bk(b, k).get("mean_turns"), bk(a, k).get("mean_turns"),
+                     lambda v: fmt(v, 2), "none", 1, "", 2, sub=True) for k in kinds]
+        more += [row("crashed items", b.get("crashed"), a.get("crashed"), lambda v: "—" if v is None else str(v),
                      "down", 1, "", 0)]
-        parts.append('<table class="grid"><thead><tr><th></th><th>before</th><th>after</th><th>Δ</th></tr></thead>'
-                     f'<tbody>{"".join(rows)}</tbody></table>')
-
-        # Tool shares per kind: one column per tool, "before → after (Δ)".
-        sb, sa, how = tool_shares_ba(run)
-        sb, sa = sb or {}, sa or {}
-        tools = [t for t in tool_colors(run) if any(t in d for d in list(sb.values()) + list(sa.values()))]
-        kinds_all = ["all"] + [k for k in sorted(set(sb) | set(sa)) if k != "all"]
-        if tools:
-            head = "".join(f'<th><i class="sw box" style="--c:{esc(tool_colors(run)[t])}"></i>{esc(t)}</th>'
-                           for t in tools)
-            body = []
-            for k in kinds_all:
-                cells = []
-                for t in tools:
-                    bv = sb.get(k, {}).get(t, (0.0, 0))[0] if k in sb else None
-                    av = sa.get(k, {}).get(t, (0.0, 0))[0] if k in sa else None
-                    d = "" if bv is None or av is None else \
-                        f' <span class="dim">({round(100 * (av - bv)) + 0:+d})</span>'
-                    cells.append(f"<td>{esc(pct(bv))} → {esc(pct(av))}{d}</td>")
-                body.append(f"<tr><th>{esc(k)}</th>{''.join(cells)}</tr>")
-            parts.append(f"<h3>Tool-usage shares per task kind (before → after, Δ pp)</h3>"
-                         f'<table class="grid"><thead><tr><th>task kind</th>{head}</tr></thead>'
-                         f'<tbody>{"".join(body)}</tbody></table>'
-                         + note(f"Share of each tool among all tool calls of that kind's items ({esc(how)}). "
-                                "The paper's finding to look for: the trained planner shifts its tool choice per "
-                                "task kind." + (" On the built-in suite the right tools are Python_Coder for "
-                                "arithmetic, Local_Search for lookup, and Local_Search then Python_Coder for two_step." if set(kinds_all) <=
-                                {"all", "arithmetic", "lookup", "two_step"} else "")))
-        else:
-            parts.append(note("No tool calls recorded in the evaluations."))
+        parts.append('<h3>Other measures</h3><table class="grid"><thead><tr><th></th><th>before</th><th>after</th>'
+                     f'<th>Δ</th></tr></thead><tbody>{"".join(more)}</tbody></table>')
+        parts.append(tool_share_table(run))
+    parts.append(turn_sweep_html(run))
+    if b or a:
+        parts.append(section_items(run, br, ar))
     if run["other_evals"]:
         rows = "".join(f'<tr><th>eval/{esc(name)}</th><td>{esc(e["summary"].get("n", "?"))}</td>'
                        f'<td>{esc(pct(e["summary"].get("accuracy")))}</td>'
@@ -630,173 +768,553 @@ def section_before_after(run: dict) -> str:
     return "".join(parts)
 
 
+def tool_share_table(run: dict) -> str:
+    """Tool shares per kind: one column per tool, "before → after (Δ)"."""
+    sb, sa, how = tool_shares_ba(run)
+    sb, sa = sb or {}, sa or {}
+    colors = tool_colors(run)
+    tools = [t for t in colors if any(t in d for d in list(sb.values()) + list(sa.values()))]
+    kinds_all = ["all"] + [k for k in sorted(set(sb) | set(sa)) if k != "all"]
+    if not tools:
+        return note("No tool calls recorded in the evaluations.")
+    head = "".join(f'<th><i class="sw box" style="--c:{esc(colors[t])}"></i>{esc(t)}</th>' for t in tools)
+    body = []
+    for k in kinds_all:
+        cells = []
+        for t in tools:
+            bv = sb.get(k, {}).get(t, (0.0, 0))[0] if k in sb else None
+            av = sa.get(k, {}).get(t, (0.0, 0))[0] if k in sa else None
+            d = "" if bv is None or av is None else f' <span class="dim">({round(100 * (av - bv)) + 0:+d})</span>'
+            cells.append(f"<td>{esc(pct(bv))} → {esc(pct(av))}{d}</td>")
+        body.append(f"<tr><th>{esc(k)}</th>{''.join(cells)}</tr>")
+    suite = set(kinds_all) <= {"all", "arithmetic", "lookup", "two_step"}
+    return (f"<h3>Tool-usage shares per task kind (before → after, Δ pp)</h3>"
+            f'<table class="grid"><thead><tr><th>task kind</th>{head}</tr></thead><tbody>{"".join(body)}</tbody>'
+            "</table>" + note(f"Share of each tool among all tool calls of that kind's items ({esc(how)}). The "
+                              "paper's finding to look for: the trained planner shifts its tool choice per task "
+                              "kind." + (" On the built-in suite the right tools are Python_Coder for arithmetic, "
+                                         "Local_Search for lookup, and Local_Search then Python_Coder for "
+                                         "two_step." if suite else "")))
+
+
+# The held-out item browser: every item with its before and after trajectory, drawn by
+# report.js from an embedded JSON block (flipped items first).
+
+
+def turn_payload(t: dict) -> dict:
+    rec = t["record"]
+    return {"turn": t["turn"], "planner": clip(t["raw"], CAP["planner"]), "recorded": t["recorded"],
+            **{f: clip(rec.get(f, ""), CAP.get(f, 300)) for f in ("sub_goal", "tool", "command", "result", "error",
+                                                                   "verdict")},
+            "loose": t["loose"], "tool_line": clip(t["tool_line"], 80), "no_tool": t["no_tool"],
+            "tokens": t["tokens"], "at_cap": t["at_cap"]}
+
+
+def item_side(row: dict, max_turns) -> dict:
+    traj = row.get("trajectory") if isinstance(row.get("trajectory"), dict) else {}
+    turns = planner_turns(traj)
+    crash = [clip(e, CAP["error"]) for e in row.get("errors") or []
+             if str(e).startswith(("crashed", "judge crashed"))]
+    return {"correct": bool(row.get("correct")), "answer": clip(row.get("answer"), CAP["answer"]),
+            "tools": [str(x) for x in row.get("tools") or [] if x], "turns": [turn_payload(t) for t in turns],
+            "out": out_of_turns(turns, max_turns), "crash": crash}
+
+
+CHANGE_ORDER = {"gained": 0, "lost": 1, "right": 2, "wrong": 3, "before only": 4, "after only": 5}
+
+
+def items_payload(run: dict, br: list, ar: list) -> dict:
+    max_turns = num(cfg_get(run["config"], "eval.max_turns"))
+    items: dict = {}
+    for side, rows in (("before", br), ("after", ar)):
+        for r in rows:
+            if not isinstance(r, dict) or r.get("id") is None:
+                continue
+            it = items.setdefault(str(r["id"]), {"id": str(r["id"]), "task": str(r.get("task") or ""),
+                                                 "question": clip(r.get("question"), CAP["query"]),
+                                                 "gold": [clip(x, CAP["gold"]) for x in (r.get("gold") or [])][:10],
+                                                 "before": None, "after": None})
+            it[side] = item_side(r, max_turns)
+    for it in items.values():
+        b, a = it["before"], it["after"]
+        it["change"] = ("before only" if not a else "after only" if not b else
+                        "gained" if a["correct"] and not b["correct"] else
+                        "lost" if b["correct"] and not a["correct"] else "right" if a["correct"] else "wrong")
+    ordered = sorted(items.values(), key=lambda it: (CHANGE_ORDER[it["change"]], it["id"]))
+    return {"items": ordered, "max_turns": max_turns}
+
+
+def section_items(run: dict, br: list | None, ar: list | None) -> str:
+    head = '<h3 id="items">Held-out items: which changed, and how</h3>'
+    if not br or not ar:
+        return head + note("The item list needs both evaluations' results.jsonl (eval/step_0 and the final "
+                           "eval/step_N, matching learning.json); " + ("neither is" if not br and not ar else
+                                                                        "one is not") + " here.")
+    data = items_payload(run, br, ar)
+    counts = Counter(it["change"] for it in data["items"])
+    return (head + note(f"{counts['gained']} items went wrong → right and {counts['lost']} right → wrong; "
+                        f"{counts['right']} stayed right and {counts['wrong']} stayed wrong. Each item shows its "
+                        "trajectory before (left) and after training (right): the planner's raw action, the tool "
+                        "it was read as, the executor's command, the tool result, the answer. Flags: "
+                        "<span class='flag'>loose</span> the tool line did not name the tool exactly, "
+                        "<span class='flag'>cut</span> the action stopped at max_new_tokens, "
+                        "<span class='flag'>out of turns</span> the turn budget ran out without STOP.")
+            + '<div class="controls" id="item-controls">'
+            '<label>change <select id="item-change"><option value="flipped">flipped (either way)</option>'
+            '<option value="gained">wrong → right</option><option value="lost">right → wrong</option>'
+            '<option value="right">stayed right</option><option value="wrong">stayed wrong</option>'
+            '<option value="all">all items</option></select></label>'
+            '<label>task kind <select id="item-kind"><option value="">all</option></select></label>'
+            '<label>tool <select id="item-tool"><option value="">any</option></select></label>'
+            '<label>flag <select id="item-flag"></select></label>'
+            '<span id="item-status" class="status" role="status"></span></div>'
+            '<div id="item-list"><p class="note">The item list needs JavaScript.</p></div>'
+            f'<script type="application/json" id="items-data">{embed_json(data)}</script>')
+
+
+def turn_sweep_html(run: dict) -> str:
+    """The test-time turn-budget analysis (turn_sweep.json, when the run has one): held-out
+    accuracy per budget and task kind, one column group per planner."""
+    sweep = run["turn_sweep"]
+    if not sweep:
+        return note("No turn-budget sweep in this run (turn_sweep.json: accuracy under test-time turn "
+                    "budgets, frozen vs trained planner).", "note dim")
+    planners = {str(k): v for k, v in sweep["planners"].items() if isinstance(v, dict)}
+    budgets = sorted({int(b) for v in planners.values() for b in v if str(b).isdigit()}
+                     | {b for b in sweep.get("budgets") or [] if isinstance(b, int)})
+    cell = lambda p, b: _summary(planners[p].get(str(b))) or {}  # noqa: E731
+    kinds = sorted({k for p in planners for b in budgets for k in cell(p, b).get("by_kind") or {}})
+    head1 = "".join(f'<th colspan="{len(budgets)}">{esc(p)}</th>' for p in planners)
+    head2 = "".join(f"<th>T = {b}</th>" for _ in planners for b in budgets)
+
+    def acc(s):
+        n, a = s.get("n"), num(s.get("accuracy"))
+        if a is None:
+            return "<td>—</td>"
+        lo, hi = wilson(round(a * n), n) if isinstance(n, int) and n else (None, None)
+        tip = f' title="{esc(f"n = {n}, 95% Wilson [{100 * lo:.1f}, {100 * hi:.1f}]")}"' if lo is not None else ""
+        return f"<td{tip}>{esc(pct(a))}</td>"
+
+    body = [f"<tr><th>accuracy, all</th>{''.join(acc(cell(p, b)) for p in planners for b in budgets)}</tr>"]
+    body += [f'<tr><th class="sub">{esc(k)}</th>'
+             f"{''.join(acc((cell(p, b).get('by_kind') or {}).get(k) or {}) for p in planners for b in budgets)}</tr>"
+             for k in kinds]
+    for key, label, digits in (("mean_turns", "mean turns used", 2), ("tool_error_rate", "tool-call error rate", 3)):
+        body.append(f"<tr><th>{label}</th>"
+                    + "".join(f"<td>{esc(fmt(cell(p, b).get(key), digits))}</td>" for p in planners for b in budgets)
+                    + "</tr>")
+    colors = dict(zip(planners, RUN_COLORS))
+    figs = []
+    for kind in ["all"] + kinds:
+        series = []
+        for p in planners:
+            ys = [num((cell(p, b) if kind == "all" else (cell(p, b).get("by_kind") or {}).get(kind) or {})
+                      .get("accuracy")) for b in budgets]
+            series.append({"name": p, "xs": budgets, "ys": ys, "color": colors[p]})
+        figs.append(figure(f"Accuracy by turn budget: {kind}", line_chart(series, "accuracy", "turn budget T",
+                                                                          y_min=0, y_max=1),
+                           "Held-out accuracy when the agent may take at most T turns.",
+                           [(p, colors[p], "line") for p in planners]))
+    return ('<h3 id="turn-sweep">Test-time turn budget</h3>'
+            + note("The paper's test-time analysis: the same planners evaluated with more or fewer turns "
+                   "allowed (turn_sweep.json). Hover a cell for n and its 95% Wilson interval.")
+            + f'<table class="grid"><thead><tr><th rowspan="2">task kind</th>{head1}</tr><tr>{head2}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table><div class="charts">{"".join(figs)}</div>')
+
+
 # ----------------------------------------------------------------------------------------
-# Section 3: training curves
+# Section 3: what was cut, and the training curves. One row of CURVES per small chart;
+# `step_values` turns a run into {series key: {step: value}}, and `curve_figure` draws
+# one row from it, for one run or overlaid for several.
+#
+# A row: title, y-axis label, y-axis ("unit" = 0..1; "rate" = from 0 to the data, at
+# most 1; "zero" = from the data, with 0 in view; "free" = from the data; "turns" =
+# 0..T_max), its series, and the explanation under the chart (HTML; {placeholders}
+# filled from `curve_facts`). A series is (key, label, colour, style): style "line",
+# "dash", "points" (held-out dots) or "box" (a stacked bar); a key ending in ":*" is one
+# series per tool (tool_share:*) or per task kind (reward_kind:*).
+
+CURVES = [
+    ("Reward and accuracy", "reward / accuracy", "unit", [
+        ("reward_mean", "reward mean (train rollouts)", "blue", "line"),
+        ("accuracy", "accuracy (train rollouts)", "green", "dash"),
+        ("heldout_accuracy", "held-out accuracy", "orange", "points")],
+     "Mean reward R over the step's Q×G rollouts{reward_note} Open dots: held-out accuracy from eval/step_N "
+     "(step 0 = before training). Training rollouts sample, exploring on purpose, while a greedy held-out "
+     "evaluation (eval.planner_temperature = 0) takes the most likely tool: compare each series with itself, "
+     "not with the other.{heldout_note}"),
+    ("Training reward per task kind", "reward mean", "unit", [("reward_kind:*", "", "", "line")],
+     "Mean reward of the step's training rollouts of each task kind (trajectories/step_N.jsonl). A step draws "
+     "each kind in proportion, so a kind has only a few queries per step: expect noise."),
+    ("Groups with no learning signal", "share of query groups", "rate", [
+        ("zero_variance_groups", "zero-variance groups", "red", "line")],
+     "Share of queries whose G rollouts all got the same reward: every A_i is 0, so they teach nothing. "
+     "Near 1 means the tasks are too easy or too hard for the current planner."),
+    ("Reward spread within groups", "std of R in a group", "zero", [
+        ("reward_std", "within-group std, mean over groups", "green", "line")],
+     "Standard deviation of the G rewards of a query, averaged over the step's queries. A_i divides by it: "
+     "0 for a group means no signal from that query, 0.5 is the most a 0/1 reward can spread."),
+    ("KL to the reference policy", "KL(π_θ ‖ π_ref)", "zero", [("kl", "KL", "pink", "line")],
+     "k3 estimate of the KL between the trained planner and the frozen initial weights, per planner token, "
+     "averaged like the loss (over tokens, turns and rollouts). Penalised with weight β."),
+    ("Clip fraction", "share of planner tokens", "rate", [("clip_frac", "clip fraction", "sky", "line")],
+     "Share of planner tokens where the clip bites: ρ &lt; 1−ε_low with A &lt; 0, or ρ &gt; 1+ε_high with "
+     "A &gt; 0. Always 0 when each batch gets a single update (ρ = 1 on the first pass)."),
+    ("Tool-call error rate", "errors / tool calls", "rate", [
+        ("tool_error_rate", "train rollouts", "red", "line"),
+        ("heldout_tool_error_rate", "held-out", "orange", "points")],
+     "Failed tool calls (bad plan, tool error) over all tool calls. The paper reports it falls with training."),
+    ("Tool shares during training", "share of tool calls", "unit", [("tool_share:*", "", "", "line")],
+     "Which tools the planner picks in the training rollouts, as a share of all tool calls of the step."),
+    ("Tokens per planner action", "tokens", "zero", [
+        ("tokens_per_action", "mean tokens per action", "blue", "line"),
+        ("planner_cap", "max_new_tokens", "grey", "dash")],
+     "Mean length of the planner's sampled action{tokens_note}. An action that reaches max_new_tokens is cut "
+     "there, often mid-word in its sub-goal."),
+    ("Cut, loose and out of turns", "share", "rate", [
+        ("cap_share", "actions cut at max_new_tokens", "red", "line"),
+        ("cap_share_min", "actions cut at max_new_tokens (at least)", "red", "dash"),
+        ("loose_share", "tool name matched loosely", "orange", "line"),
+        ("no_tool_share", "no tool named", "pink", "line"),
+        ("out_of_turns_share", "trajectories out of turns", "sky", "line")],
+     "Per training step: planner actions stopped by the token limit{cap_note}; actions whose tool line did not "
+     "name a tool exactly (read through an alias, e.g. 'Python' as Python_Coder) or named none; trajectories "
+     "that used every turn without the verifier saying STOP."),
+    ("Policy entropy", "nats per token", "zero", [("entropy", "entropy", "green", "line")],
+     "Mean entropy of the planner's (temperature-scaled) next-token distribution over its action tokens. "
+     "A collapse towards 0 means the planner stopped exploring."),
+    ("Gradient norm", "‖g‖ before clipping", "zero", [("grad_norm", "grad norm", "blue", "line")],
+     "Gradient norm per optimizer step, before it is clipped to train.max_grad_norm. Only the KL term pushes "
+     "when every group has zero variance."),
+    ("Turns per trajectory", "mean turns", "turns", [("mean_turns", "mean turns", "orange", "line")],
+     "Mean planner turns per training rollout{budget_note}; the verifier stops a trajectory early when memory "
+     "is enough."),
+    ("Loss", "−J", "free", [("loss", "loss", "grey", "line")],
+     "The minimised Flow-GRPO objective −J (clipped surrogate + β·KL). Its level is not comparable across "
+     "steps: advantages are renormalised per group."),
+    ("Sampler vs trainer log-prob gap", "|Δ log-prob|", "zero", [("logprob_gap", "log-prob gap", "pink", "line")],
+     "Largest difference between a token's log-prob recorded while sampling and the one the loss recomputes "
+     "before the first update. Should stay ~0 (float noise): the update is on-policy."),
+    ("Time per step", "seconds", "zero", [
+        ("time_rollout", "rollout", "blue", "box"), ("time_judge", "judge", "orange", "box"),
+        ("time_update", "update", "green", "box")],
+     "Wall time of each step, split into rollout, judge and update."),
+]
+# On a comparison page a run is a colour and its series differ by dash: (SVG pattern, legend style).
+DASHES = [(None, "line"), ("6 4", "dash"), ("2 3", "dotted"), ("9 3 2 3", "dashdot")]
+
+
+def step_values(run: dict) -> dict[str, dict[int, float]]:
+    """{series key: {step: value}} for every key CURVES can name: the metrics rows' own
+    keys, held-out points from eval/step_N, and what the trajectories give (reward per
+    kind, spread, tokens, cut and loose shares)."""
+    vals: dict[str, dict[int, float]] = {}
+
+    def put(key, step, v):
+        if num(v) is not None:
+            vals.setdefault(key, {})[step] = num(v)
+
+    colors = tool_colors(run)
+    for r in run["metrics"]:
+        for k, v in r.items():
+            if k != "step":
+                put(k, r["step"], v)
+        if r.get("tool_shares"):
+            for t in colors:
+                put(f"tool_share:{t}", r["step"], r["tool_shares"].get(t, 0.0))
+    for s, e in run["evals"].items():
+        put("heldout_accuracy", s, e["summary"].get("accuracy"))
+        put("heldout_tool_error_rate", s, e["summary"].get("tool_error_rate"))
+    cap = num(cfg_get(run["config"], "agent.planner.max_new_tokens"))
+    for step, st in run["train_stats"].items():
+        for kind, v in st["reward_kind"].items():
+            put(f"reward_kind:{kind}", step, v)
+        put("reward_std", step, st["reward_std"])
+        mean = tokens_per_action(run, step, st)
+        put("tokens_per_action", step, mean)
+        if mean is not None:
+            put("planner_cap", step, cap)
+        share, exact = cap_share(st, mean, cap)
+        put("cap_share" if exact else "cap_share_min", step, share)
+        if st.get("actions"):
+            put("loose_share", step, st.get("loose", 0) / st["actions"])
+            put("no_tool_share", step, st.get("no_tool", 0) / st["actions"])
+        if st.get("trajectories"):
+            put("out_of_turns_share", step, st.get("out_of_turns", 0) / st["trajectories"])
+    return vals
+
+
+def curve_facts(run: dict, vals: dict) -> dict[str, str]:
+    """What the explanations of CURVES fill in."""
+    same = vals.get("reward_mean") == vals.get("accuracy")
+    max_turns = num(cfg_get(run["config"], "agent.max_turns"))
+    cap = num(cfg_get(run["config"], "agent.planner.max_new_tokens"))
+    exact = "cap_share" in vals
+    return {"reward_note": " (= accuracy: the rewards are 0/1)." if same else
+            "; accuracy = share of rollouts with R &gt; 0.",
+            "heldout_note": "" if vals.get("heldout_accuracy") else " No held-out points: no eval/step_N yet.",
+            "budget_note": f" (budget T_max = {max_turns:g})" if max_turns else "",
+            "tokens_note": f" (cap: max_new_tokens = {cap:g}, dashed)" if cap else "",
+            "cap_note": "" if exact or "cap_share_min" not in vals else
+            " (dashed: a lower bound from the mean length, since this run's logs do not record why each action "
+            "ended: actions below the cap have at most cap − 1 tokens)"}
+
+
+def expand_series(run: dict, specs: list, vals: dict) -> list[tuple[str, str, str, str]]:
+    """CURVES series with their colours resolved, ":*" keys expanded, and series that carry
+    no data (or repeat the reward line) dropped."""
+    out = []
+    for key, label, color, style in specs:
+        if key == "tool_share:*":
+            out += [(f"tool_share:{t}", t, c, style) for t, c in tool_colors(run).items()
+                    if f"tool_share:{t}" in vals]
+        elif key == "reward_kind:*":
+            kinds = [k.split(":", 1)[1] for k in vals if k.startswith("reward_kind:")]
+            out += [(f"reward_kind:{k}", k, c, style) for k, c in kind_colors(kinds).items()]
+        elif key in vals and not (key == "accuracy" and vals[key] == vals.get("reward_mean")):
+            out.append((key, label, OKABE.get(color, color), style))
+    return out
+
+
+def x_extent(valses: list[dict]) -> tuple[float, float] | None:
+    """One x-range for every small chart: the steps any CURVES series covers, half a step
+    of margin each side (where the time bars need it)."""
+    keys = {k for _, _, _, specs, _ in CURVES for k, *_ in specs}
+    steps = [s for vals in valses for k, v in vals.items() if k in keys or k.split(":")[0] + ":*" in keys
+             for s in v]
+    return (min(steps) - 0.5, max(steps) + 0.5) if steps else None
+
+
+def curve_figure(row: tuple, entries: list[tuple], x_range) -> str:
+    """One CURVES row as a figure. entries: (run, vals, facts, label, colour) per run; with
+    one entry the series keep their own colours, with several each run has its colour and
+    its series differ by dash."""
+    title, y_label, axis, specs, explain = row
+    multi = len(entries) > 1
+    drawn, keys, stacks = [], [], []
+    for run, vals, facts, label, run_color in entries:
+        series = expand_series(run, specs, vals)
+        for i, (key, name, color, style) in enumerate(series):
+            xs = sorted(vals[key])
+            ys = [vals[key][x] for x in xs]
+            if style == "box" and not multi:
+                stacks.append({"name": name, "color": color, "ys": ys, "xs": xs})
+                continue
+            if style == "box":  # overlaid runs: each part of the time as its own line
+                style = "line"
+            dash = DASHES[i % len(DASHES)][0] if multi else (style == "dash")
+            drawn.append({"name": f"{label}: {name}" if multi else name, "xs": xs, "ys": ys,
+                          "color": run_color if multi else color, "dash": dash, "points": style == "points"})
+            if not multi:
+                keys.append((name, color, "dot" if style == "points" else style))
+        if multi:
+            keys.append((label, run_color, "line"))
+    if multi:  # then one key per series, in grey, with its dash (the same in every run)
+        names = {}
+        for run, vals, *_ in entries:
+            for i, (_, n, _, s) in enumerate(expand_series(run, specs, vals)):
+                names.setdefault(n, "dot" if s == "points" else DASHES[i % len(DASHES)][1])
+        if len(names) > 1:
+            keys += [(n, "#555", style) for n, style in names.items()]
+    facts = entries[0][2]
+    missing = f"metrics.jsonl has no '{specs[0][0].split(':')[0].replace('tool_share', 'tool_shares')}'"
+    if stacks:
+        xs = sorted({x for s in stacks for x in s["xs"]})
+        svg = stacked_bar_chart(xs, [{"name": s["name"], "color": s["color"],
+                                      "ys": [dict(zip(s["xs"], s["ys"])).get(x) for x in xs]} for s in stacks],
+                                y_label, x_range=x_range)
+        keys = [(s["name"], s["color"], "box") for s in stacks]
+    elif drawn:
+        max_turns = max((num(cfg_get(e[0]["config"], "agent.max_turns")) or 0 for e in entries), default=0)
+        y_min, y_max, zero, y_cap = {"unit": (0, 1, False, None), "rate": (None, None, True, 1.0),
+                                     "zero": (None, None, True, None), "free": (None, None, False, None),
+                                     "turns": (0 if max_turns else None, max_turns or None, True, None)}[axis]
+        svg = line_chart(drawn, y_label, y_min=y_min, y_max=y_max, zero=zero, x_range=x_range, y_cap=y_cap)
+    else:
+        svg = None
+    if not multi and len(keys) == 1 and keys[0][2] == "line":
+        keys = []  # the title says what the one line is
+    return figure(title, svg, explain.format(**facts), keys or None, missing)
+
+
+def cut_table(run: dict) -> str:
+    """Training rollouts (all steps) and the two held-out evaluations side by side: what
+    the token cap cut, which tool names were read loosely, who ran out of turns."""
+    cfg = run["config"]
+    cap, t_train, t_eval = (cfg_get(cfg, k) for k in ("agent.planner.max_new_tokens", "agent.max_turns",
+                                                      "eval.max_turns"))
+    cols = []
+    if run["train_stats"]:
+        total = Counter()
+        for st in run["train_stats"].values():
+            total.update({k: v for k, v in st.items() if isinstance(v, int)})
+        scored = [s for s in run["train_stats"] if any(m["step"] == s and num(m.get("planner_tokens")) is not None
+                                                       for m in run["metrics"])]
+        if not total.get("with_tokens") and scored:  # the loss's own token count, over the same actions
+            total["tokens"] = sum(num(m["planner_tokens"]) for m in run["metrics"] if m["step"] in scored)
+            total["with_tokens"] = sum(run["train_stats"][s]["actions"] for s in scored)
+        names = sum((st["loose_names"] for st in run["train_stats"].values()), Counter())
+        cols.append((f"training rollouts ({len(run['train_stats'])} steps)", {**total, "loose_names": names}, t_train))
+    _, _, br, ar, _ = before_after(run)
+    for label, rows in (("held-out, before", br), ("held-out, after", ar)):
+        if rows:
+            trajs = [r["trajectory"] for r in rows if isinstance(r.get("trajectory"), dict)]
+            if trajs:
+                cols.append((label, cut_counts(trajs, t_eval), t_eval))
+    if not cols:
+        return ""
+
+    def share(k, n, lower=False):
+        if not n:
+            return "—"
+        return f"{'≥ ' if lower else ''}{k}/{n} ({100 * k / n:.1f}%)"
+
+    rows = {"planner actions": [], f"mean tokens per action (max_new_tokens = {cap})": [],
+            "actions cut at max_new_tokens": [], "tool name matched loosely": [], "no tool named": [],
+            "trajectories": [], "trajectories out of turns (budget T)": []}
+    for label, c, budget in cols:
+        n, mean = c.get("actions", 0), (c["tokens"] / c["with_tokens"] if c.get("with_tokens") else None)
+        cells = list(rows.values())
+        cells[0].append(str(n))
+        cells[1].append(fmt(mean, 2) if mean is not None else "not recorded")
+        if c.get("with_finish") == n and n:
+            cells[2].append(share(c.get("at_cap", 0), n))
+        elif mean is not None and cap:
+            cells[2].append(share(round(max(0.0, mean - cap + 1) * n), n, lower=True))
+        else:
+            cells[2].append("not recorded")
+        cells[3].append(share(c.get("loose", 0), n))
+        cells[4].append(share(c.get("no_tool", 0), n))
+        cells[5].append(str(c.get("trajectories", 0)))
+        cells[6].append(share(c.get("out_of_turns", 0), c.get("trajectories", 0)) + f" (T = {budget})")
+    loose = Counter()
+    for _, c, _ in cols:
+        loose.update(c["loose_names"])
+    seen = ", ".join(f"“{esc(clip(line, 60))}” → {esc(tool)} ×{k}" for (line, tool), k in loose.most_common(6))
+    head = "".join(f"<th>{esc(label)}</th>" for label, _, _ in cols)
+    body = "".join(f"<tr><th>{esc(k)}</th>{''.join(f'<td>{esc(v)}</td>' for v in vs)}</tr>" for k, vs in rows.items())
+    return ('<h3 id="cut">What was cut or read loosely</h3>'
+            f'<table class="grid"><thead><tr><th></th>{head}</tr></thead><tbody>{body}</tbody></table>'
+            + note("An action cut at max_new_tokens ends mid-sentence (its sub-goal reaches the executor cut). "
+                   "≥: a lower bound from the mean length, where the logs do not say why each action ended. A "
+                   "loose match is a tool line that names no tool exactly and was read through a tool's "
+                   "aliases (agentflow.parse_plan)." + (f" Seen: {seen}." if seen else "")
+                   + " The trajectory browser (section 5) and the item list (section 2) flag each one."))
 
 
 def section_curves(run: dict) -> str:
     m = run["metrics"]
-    parts = ['<section id="curves"><h2>3. Training curves</h2>']
+    parts = ['<section id="curves"><h2>3. Training curves</h2>', cut_table(run)]
     if not m:
         parts.append(note("<b>No training steps yet</b>: metrics.jsonl is missing or empty (train.py appends "
                           "one row per finished step).", "note warn") + "</section>")
         return "".join(parts)
-    xs = [r["step"] for r in m]
-    col = lambda k: [num(r.get(k)) for r in m]  # noqa: E731
-    has = lambda k: any(v is not None for v in col(k))  # noqa: E731
-    miss = lambda k: f"metrics.jsonl has no '{k}'"  # noqa: E731
-    heldout = {s: num(e["summary"].get("accuracy")) for s, e in run["evals"].items()}
-    for r in m:
-        if num(r.get("heldout_accuracy")) is not None:
-            heldout.setdefault(r["step"], num(r["heldout_accuracy"]))
-    ho_x = sorted(s for s, v in heldout.items() if v is not None)
-    ho_err = {s: num(e["summary"].get("tool_error_rate")) for s, e in run["evals"].items()}
-    he_x = sorted(s for s, v in ho_err.items() if v is not None)
+    parts.append("<h3>Curves</h3>")
     if len(m) > SMOOTH_FROM:
         parts.append(note(f"Faint lines: the value at each step; solid lines: a centred moving average over "
-                          f"{smooth_window(len(m))} steps. Hover a held-out dot for its value."))
+                          f"{smooth_window(len(m))} steps. Hover a held-out dot for its value. All charts share "
+                          "one x-range."))
     else:
-        parts.append(note("Hover a dot for its exact value."))
-    B, O, G_, P, S, R, GR = (OKABE[c] for c in ("blue", "orange", "green", "pink", "sky", "red", "grey"))
-    max_turns = num(cfg_get(run["config"], "agent.max_turns"))
-    figs = []
-
-    series = [{"name": "reward mean (train rollouts)", "xs": xs, "ys": col("reward_mean"), "color": B}]
-    keys = [("reward mean (train rollouts)", B, "line")]
-    same = all(a == b for a, b in zip(col("reward_mean"), col("accuracy")))
-    if not same:
-        series.append({"name": "accuracy (train rollouts)", "xs": xs, "ys": col("accuracy"), "color": G_, "dash": True})
-        keys.append(("accuracy (train rollouts)", G_, "dash"))
-    if ho_x:
-        series.append({"name": "held-out accuracy", "xs": ho_x, "ys": [heldout[s] for s in ho_x], "color": O,
-                       "points": True})
-        keys.append(("held-out accuracy", O, "dot"))
-    figs.append(figure("Reward and accuracy", line_chart(series, "reward / accuracy", y_min=0, y_max=1), (
-        "Mean reward R over the step's Q×G rollouts" + (" (= accuracy: the rewards are 0/1)." if same else
-        "; accuracy = share of rollouts with R &gt; 0.") + " Open dots: held-out accuracy from eval/step_N "
-        "(step 0 = before training). Training rollouts sample, exploring on purpose, while a greedy "
-        "held-out evaluation (eval.planner_temperature = 0) takes the most likely tool: compare each "
-        "series with itself, not with the other."
-        + ("" if ho_x else " No held-out points: no eval/step_N yet.")), keys, miss("reward_mean")))
-
-    figs.append(figure("Groups with no learning signal", line_chart(
-        [{"name": "zero-variance groups", "xs": xs, "ys": col("zero_variance_groups"), "color": R}],
-        "share of query groups", y_min=0, y_max=1),
-        "Share of queries whose G rollouts all got the same reward: every A_i is 0, so they teach nothing. "
-        "Near 1 means the tasks are too easy or too hard for the current planner.", None, miss("zero_variance_groups")))
-    figs.append(figure("KL to the reference policy", line_chart(
-        [{"name": "KL", "xs": xs, "ys": col("kl"), "color": P}], "KL(π_θ ‖ π_ref)", zero=True),
-        "k3 estimate of the KL between the trained planner and the frozen initial weights, per planner "
-        "token, averaged like the loss (over tokens, turns and rollouts). Penalised with weight β.", None, miss("kl")))
-    figs.append(figure("Clip fraction", line_chart(
-        [{"name": "clip fraction", "xs": xs, "ys": col("clip_frac"), "color": S}], "share of planner tokens",
-        zero=True), "Share of planner tokens where the clip bites: ρ &lt; 1−ε_low with A &lt; 0, or ρ &gt; 1+ε_high "
-        "with A &gt; 0. Always 0 when each batch gets a single update (ρ = 1 on the first pass).", None, miss("clip_frac")))
-
-    series = [{"name": "tool-call error rate (train)", "xs": xs, "ys": col("tool_error_rate"), "color": R}]
-    keys = [("train rollouts", R, "line")]
-    if he_x:
-        series.append({"name": "held-out tool-call error rate", "xs": he_x, "ys": [ho_err[s] for s in he_x],
-                       "color": O, "points": True})
-        keys.append(("held-out", O, "dot"))
-    figs.append(figure("Tool-call error rate", line_chart(series, "errors / tool calls", y_min=0, y_max=1),
-                       "Failed tool calls (bad plan, tool error) over all tool calls. The paper reports it falls "
-                       "with training.", keys, miss("tool_error_rate")))
-
-    colors = tool_colors(run)
-    tools = [t for t in colors if any(t in (r.get("tool_shares") or {}) for r in m)]
-    series = [{"name": t, "xs": xs, "color": colors[t],
-               "ys": [num((r.get("tool_shares") or {}).get(t, 0.0)) if r.get("tool_shares") else None for r in m]}
-              for t in tools]
-    figs.append(figure("Tool shares during training", line_chart(series, "share of tool calls", y_min=0, y_max=1)
-                       if series else None, "Which tools the planner picks in the training rollouts, as a share "
-                       "of all tool calls of the step.", [(t, colors[t], "line") for t in tools],
-                       miss("tool_shares")))
-    figs.append(figure("Policy entropy", line_chart(
-        [{"name": "entropy", "xs": xs, "ys": col("entropy"), "color": G_}], "nats per token", zero=True),
-        "Mean entropy of the planner's (temperature-scaled) next-token distribution over its action tokens. "
-        "A collapse towards 0 means the planner stopped exploring.", None, miss("entropy")))
-    figs.append(figure("Gradient norm", line_chart(
-        [{"name": "grad norm", "xs": xs, "ys": col("grad_norm"), "color": B}], "‖g‖ before clipping", zero=True),
-        "Gradient norm per optimizer step, before it is clipped to train.max_grad_norm. Only the KL term "
-        "pushes when every group has zero variance.", None, miss("grad_norm")))
-    figs.append(figure("Turns per trajectory", line_chart(
-        [{"name": "mean turns", "xs": xs, "ys": col("mean_turns"), "color": O}], "mean turns",
-        y_min=0 if max_turns else None, y_max=max_turns or None, zero=True),
-        "Mean planner turns per training rollout" + (f" (budget T_max = {max_turns:g})" if max_turns else "")
-        + "; the verifier "
-        "stops a trajectory early when memory is enough.", None, miss("mean_turns")))
-    figs.append(figure("Loss", line_chart([{"name": "loss", "xs": xs, "ys": col("loss"), "color": GR}], "−J"),
-                       "The minimised Flow-GRPO objective −J (clipped surrogate + β·KL). Its level is not "
-                       "comparable across steps: advantages are renormalised per group.", None, miss("loss")))
-    figs.append(figure("Sampler vs trainer log-prob gap", line_chart(
-        [{"name": "log-prob gap", "xs": xs, "ys": col("logprob_gap"), "color": P}], "|Δ log-prob|", zero=True),
-        "Largest difference between a token's log-prob recorded while sampling and the one the loss recomputes "
-        "before the first update. Should stay ~0 (float noise): the update is on-policy.", None, miss("logprob_gap")))
-    tcolors = {"rollout": B, "judge": O, "update": G_}
-    stacks = [{"name": k, "ys": col(f"time_{k}"), "color": c} for k, c in tcolors.items() if has(f"time_{k}")]
-    figs.append(figure("Time per step", stacked_bar_chart(xs, stacks, "seconds") if stacks else None,
-                       "Wall time of each step, split into rollout, judge and update.",
-                       [(k, c, "box") for k, c in tcolors.items()], miss("time_rollout")))
+        parts.append(note("Hover a dot for its exact value. All charts share one x-range; rates are scaled to "
+                          "their data."))
+    vals = step_values(run)
+    entry = (run, vals, curve_facts(run, vals), "", None)
+    x_range = x_extent([vals])
+    figs = [curve_figure(row, [entry], x_range) for row in CURVES]
     parts.append(f'<div class="charts">{"".join(figs)}</div></section>')
     return "".join(parts)
+
+
+# ----------------------------------------------------------------------------------------
+# Provenance: what a reader needs to see why the same seed gives another number on
+# another machine. train.py calls record_run once, right after it writes config.json.
+
+
+def provenance(cfg: dict) -> dict:
+    """This process: seed, code version, library versions, CPU, threads, start time."""
+    import platform
+    import subprocess
+
+    import torch
+    import transformers
+
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=ASSETS, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += " dirty"  # tracked files differ from that commit: the numbers may not reproduce from it
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = cfg_get(cfg, "model.device", "auto")
+    gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
+    return {"seed": cfg_get(cfg, "seed"), "git_commit": commit, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpu": cpu or platform.processor() or platform.machine(),
+            # The SIMD level torch dispatches its CPU kernels to (AVX2, AVX512, ...): two
+            # machines with the same CPU name can still sum floats in another order.
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            # train.py sets model.threads after this call, so the config says what the run uses.
+            "threads": cfg_get(cfg, "model.threads") or torch.get_num_threads(), "gpu": gpu,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "started_unix": round(time.time(), 3)}
+
+
+def record_run(out_dir, cfg: dict) -> dict:
+    """Append this process's provenance to out_dir/run.json and stamp its wall time there
+    when the process exits.
+
+    A list, one entry per process: a resumed run may have been continued on another
+    machine or another torch version, and its total wall time (evaluations included) is
+    the sum of its processes' times. The exit stamp runs on a normal end, an exception or
+    Ctrl-C (atexit); a process killed outright leaves its entry without wall_s, and the
+    report says so."""
+    import atexit
+
+    path = Path(out_dir) / "run.json"
+    entry = provenance(cfg)
+
+    def save(update):
+        old = _read_json(path)
+        processes = old.get("processes") if isinstance(old, dict) else None
+        processes = update([p for p in processes or [] if isinstance(p, dict)])
+        tmp = path.with_name(f".run.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"processes": processes}, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def stamp():
+        wall = round(time.time() - entry["started_unix"], 1)
+        try:  # re-read: another run() in this process may have appended since
+            save(lambda ps: [{**p, "wall_s": wall} if p.get("started_unix") == entry["started_unix"] else p
+                             for p in ps])
+        except OSError:  # the folder is gone (a test's temporary run): nothing to stamp
+            pass
+
+    save(lambda ps: ps + [entry])
+    atexit.register(stamp)
+    return entry
 
 
 # ----------------------------------------------------------------------------------------
 # Section 4: tool-usage shift per task kind
 
 
-def shift_chart(sb: dict, sa: dict, colors: dict[str, str], acc: dict | None = None) -> str | None:
-    """Two stacked bars (before, after) per task kind; each bar splits 100% of tool calls.
-    acc: {kind: (accuracy before, accuracy after)}, written under each kind's name."""
-    kinds = ["all"] + [k for k in sorted(set(sb) | set(sa)) if k != "all"]
-    kinds = [k for k in kinds if sb.get(k) or sa.get(k)]
-    if not kinds:
-        return None
-    bw, gap, group_gap, ml, mt, mb, ph = 46, 8, 40, 52, 12, 64, 220
-    width = ml + len(kinds) * (2 * bw + gap + group_gap) + 10
-    height = mt + ph + mb
-    sy = lambda v: mt + ph - v * ph  # noqa: E731
-    out = []
-    for t in (0, 0.25, 0.5, 0.75, 1.0):
-        out.append(f'<line x1="{ml}" x2="{width - 10}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" class="grid"/>'
-                   f'<text x="{ml - 6}" y="{sy(t) + 4:.1f}" class="tick" text-anchor="end">{100 * t:.0f}%</text>')
-    out.append(f'<text transform="translate(13 {mt + ph / 2}) rotate(-90)" class="alabel" '
-               f'text-anchor="middle">share of tool calls</text>')
-    for i, kind in enumerate(kinds):
-        gx = ml + group_gap / 2 + i * (2 * bw + gap + group_gap)
-        for j, (label, shares) in enumerate((("before", sb.get(kind)), ("after", sa.get(kind)))):
-            x = gx + j * (bw + gap)
-            out.append(f'<text x="{x + bw / 2}" y="{mt + ph + 14}" class="tick" text-anchor="middle">{label}</text>')
-            if not shares:  # that evaluation does not exist yet, or had no tool call of this kind
-                missing = "not yet" if not (sb if label == "before" else sa) else "no calls"
-                out.append(f'<text x="{x + bw / 2}" y="{sy(0.5)}" class="tick" text-anchor="middle">{missing}</text>')
-                continue
-            base = 0.0
-            for tool in colors:
-                share, calls = shares.get(tool, (0.0, 0))
-                if share <= 0:
-                    continue
-                y_top, h = sy(base + share), share * ph
-                tip = f"{kind}, {label}: {tool} {100 * share:.1f}%" + (f" ({calls} calls)" if calls else "")
-                out.append(f'<rect x="{x}" y="{y_top:.1f}" width="{bw}" height="{h:.1f}" fill="{esc(colors[tool])}" '
-                           f'stroke="#fff" stroke-width="0.5"><title>{esc(tip)}</title></rect>')
-                if h >= 15:
-                    out.append(f'<text x="{x + bw / 2}" y="{y_top + h / 2 + 4:.1f}" class="inbar" '
-                               f'fill="{"#1d2125" if light(colors[tool]) else "#fff"}" '
-                               f'text-anchor="middle">{100 * share:.0f}%</text>')
-                base += share
-        out.append(f'<text x="{gx + bw + gap / 2}" y="{mt + ph + 34}" class="alabel" text-anchor="middle">'
-                   f'{esc(kind)}</text>')
-        b_acc, a_acc = (acc or {}).get(kind, (None, None))
-        if b_acc is not None or a_acc is not None:
-            out.append(f'<text x="{gx + bw + gap / 2}" y="{mt + ph + 50}" class="tick" text-anchor="middle">'
-                       f'acc {esc(pct(b_acc))} → {esc(pct(a_acc))}</text>')
-    return _svg(out, int(width), height)
-
-
 def section_tool_shift(run: dict) -> str:
-    parts = ['<section id="tool-shift"><h2>4. Tool-usage shift per task kind</h2>']
+    parts = ['<section id="tool-shift"><h2>4. Tool-usage shift per task kind</h2>', tool_shift_figure(run),
+             "</section>"]
+    return "".join(parts)
+
+
+def tool_shift_figure(run: dict, title: str = "Tool shares before vs after, per task kind") -> str:
     sb, sa, how = tool_shares_ba(run)
     colors = dict(tool_colors(run))
     for d in (sb or {}, sa or {}):  # a tool seen only in eval rows still gets a colour
@@ -813,22 +1331,16 @@ def section_tool_shift(run: dict) -> str:
     if svg is None:
         why = ("no held-out evaluation in this folder yet" if not (sb or sa)
                else "the evaluations recorded no tool calls")
-        parts.append(figure("Tool shares before vs after", None, "", missing=why))
-    else:
-        used = [t for t in colors if any(t in s for d in (sb or {}, sa or {}) for s in d.values())]
-        parts.append(figure("Tool shares before vs after, per task kind", svg,
-                            f"Each bar splits 100% of the held-out tool calls of one task kind ({esc(how)}); "
-                            "hover a segment for the exact share and call count. Under each kind: its held-out "
-                            "accuracy before → after."
-                            + ("" if sa else " <b>No after-training evaluation yet.</b>")
-                            + ("" if sb else " <b>No before-training evaluation.</b>"),
-                            [(t, colors[t], "box") for t in used]))
-    parts.append("</section>")
-    return "".join(parts)
+        return figure(title, None, "", missing=why)
+    used = [t for t in colors if any(t in s for d in (sb or {}, sa or {}) for s in d.values())]
+    return figure(title, svg, f"Each bar splits 100% of the held-out tool calls of one task kind ({esc(how)}); "
+                  "hover a segment for the exact share and call count. Under each kind: its held-out accuracy "
+                  "before → after." + ("" if sa else " <b>No after-training evaluation yet.</b>")
+                  + ("" if sb else " <b>No before-training evaluation.</b>"), [(t, colors[t], "box") for t in used])
 
 
 # ----------------------------------------------------------------------------------------
-# Section 5: the trajectory browser (data embedded as JSON, drawn by a small script)
+# Section 5: the trajectory browser (data embedded as JSON, drawn by report.js)
 
 
 def pick_steps(steps: list[int], k: int) -> list[int]:
@@ -851,29 +1363,35 @@ def _clean(v):
     return v
 
 
-def step_payload(path: Path, metrics_row: dict | None, G: int | None) -> dict:
+def train_ids(run: dict) -> dict[str, str]:
+    """question -> item id in the run's training file (when it can still be found), so
+    that a query group is named by its item. trajectories/step_N.jsonl rows that carry
+    an "id" field are named by it directly."""
+    path = cfg_get(run["config"], "data.train")
+    if not isinstance(path, str) or not path:
+        return {}
+    p = Path(path)
+    for candidate in ([p] if p.is_absolute() else [p, ASSETS / p]):
+        if candidate.is_file() and candidate.suffix == ".jsonl":
+            return {str(r.get("question")): str(r["id"]) for r in read_jsonl(candidate)
+                    if isinstance(r, dict) and r.get("id") is not None}
+    return {}
+
+
+def step_payload(path: Path, metrics_row: dict | None, G: int | None, ids: dict, max_turns) -> dict:
     """One step's trajectories as query groups of rollouts, text fields capped."""
     groups: dict = {}
     for k, tr in enumerate(read_jsonl(path)):
         gid = tr.get("group", k // G if G else 0)
-        log, memory = (tr.get(k) if isinstance(tr.get(k), list) else [] for k in ("log", "memory"))
-        planner = {e.get("turn"): e.get("output", "") for e in log
-                   if isinstance(e, dict) and e.get("module") == "planner"}
-        records = {r.get("turn"): r for r in memory if isinstance(r, dict)}
-        turns = []
-        for t in sorted(t for t in set(records) | set(planner) if isinstance(t, int)):
-            r = records.get(t, {})
-            turns.append({"turn": t, "planner": clip(planner.get(t), CAP["planner"]),
-                          **{f: clip(r.get(f, ""), CAP.get(f, 300)) for f in ("sub_goal", "tool", "command", "result",
-                                                                              "error", "verdict")},
-                          "recorded": t in records})
-        g = groups.setdefault(gid, {"group": gid, "task": tr.get("task", ""),
-                                    "query": clip(tr.get("query"), CAP["query"]),
+        turns = planner_turns(tr)
+        g = groups.setdefault(gid, {"group": gid, "id": str(tr.get("id") or ids.get(str(tr.get("query"))) or ""),
+                                    "task": str(tr.get("task") or ""), "query": clip(tr.get("query"), CAP["query"]),
                                     "gold": [clip(x, CAP["gold"]) for x in (tr.get("gold") or [])][:10],
                                     "rollouts": []})
         g["rollouts"].append({"reward": num(tr.get("reward")), "advantage": num(tr.get("advantage")),
                               "answer": clip(tr.get("answer"), CAP["answer"]), "n_turns": tr.get("n_turns"),
-                              "tools": [str(x) for x in tr.get("tools") or [] if x], "turns": turns})
+                              "tools": [str(x) for x in tr.get("tools") or [] if x],
+                              "turns": [turn_payload(t) for t in turns], "out": out_of_turns(turns, max_turns)})
     keep = ("reward_mean", "zero_variance_groups", "mean_turns", "tool_error_rate", "top_tool", "kl", "entropy")
     return {"groups": list(groups.values()),
             "metrics": {k: metrics_row.get(k) for k in keep if k in metrics_row} if metrics_row else None}
@@ -895,14 +1413,16 @@ def section_trajectories(run: dict) -> str:
         parts.append("</section>")
         return "".join(parts)
     G = cfg_get(run["config"], "train.group_size")
+    max_turns = num(cfg_get(run["config"], "agent.max_turns"))
     by_metric = {r["step"]: r for r in run["metrics"]}
+    ids = train_ids(run)
     cache: dict[int, dict] = {}
     k = MAX_EMBED_STEPS
     while True:  # fewer steps until the embedded JSON fits the budget
         chosen = pick_steps(steps, k)
         for s in chosen:
             if s not in cache:
-                cache[s] = step_payload(run["traj_files"][s], by_metric.get(s), G)
+                cache[s] = step_payload(run["traj_files"][s], by_metric.get(s), G, ids, max_turns)
         data = {"steps": chosen, "n_steps_total": len(steps), "by_step": {str(s): cache[s] for s in chosen}}
         blob = embed_json(data)
         if len(blob) <= MAX_EMBED_CHARS or k <= 2:
@@ -914,203 +1434,49 @@ def section_trajectories(run: dict) -> str:
     over = ("over all planner turns of the G rollouts (advantage_mode turn_rows: a rollout with T_i turns counts "
             "T_i times)" if turn_rows else "over the G rollouts")
     parts.append(note(
-        f"Embedded: {esc(shown)}. Each row is one query; its columns are the G rollouts of that query, run "
-        "independently from the same start. Per rollout: the reward R_i ∈ {0, 1} of its final answer, and its "
+        f"Embedded: {esc(shown)}. Each row is one query (named by its training item id where the training file "
+        "is found); its columns are the G rollouts of that query, run independently from the same start. Per "
+        "rollout: the reward R_i ∈ {0, 1} of its final answer, and its "
         f"<b>advantage A_i = (R_i − mean R) / (std R + ε) {over}, broadcast to every planner "
         "turn</b>: every planner action of the rollout is pushed up (A_i &gt; 0) or down (A_i &lt; 0) with the "
         "same weight. Only the planner's action is trained; executor, verifier and generator are frozen. Long "
-        f"fields are cut (tool results at {CAP['result']} characters)."))
-    parts.append('<div class="controls"><button type="button" id="prev-step">◀ previous</button>'
+        f"fields are cut (tool results at {CAP['result']} characters). With a tool or flag filter, the "
+        "rollouts of a shown query that do not match are dimmed."))
+    parts.append('<div class="controls" id="traj-controls"><button type="button" id="prev-step">◀ previous</button>'
                  '<label>step <select id="step-select"></select></label>'
                  '<button type="button" id="next-step">next ▶</button>'
-                 '<label><input type="checkbox" id="only-signal"> only groups with a learning signal '
-                 '(rewards not all equal)</label><span id="step-info" class="dim"></span></div>'
+                 '<label>task kind <select id="traj-kind"><option value="">all</option></select></label>'
+                 '<label>rewards <select id="traj-reward"><option value="">any</option>'
+                 '<option value="signal">mixed (a learning signal)</option>'
+                 '<option value="all1">all R = 1</option><option value="all0">all R = 0</option></select></label>'
+                 '<label>tool <select id="traj-tool"><option value="">any</option></select></label>'
+                 '<label>flag <select id="traj-flag"></select></label>'
+                 '<span id="step-info" class="status" role="status"></span></div>'
                  '<div id="traj-groups"><p class="note">The trajectory browser needs JavaScript.</p></div>')
     parts.append(f'<script type="application/json" id="traj-data">{blob}</script>')
-    parts.append(f"<script>{BROWSER_JS}</script></section>")
+    parts.append("</section>")
     return "".join(parts)
 
 
-BROWSER_JS = r"""
-(function () {
-  "use strict";
-  var D = JSON.parse(document.getElementById("traj-data").textContent);
-  var sel = document.getElementById("step-select"), box = document.getElementById("traj-groups");
-  var only = document.getElementById("only-signal"), info = document.getElementById("step-info");
-  // Every string from the run goes through textContent: it is never parsed as HTML.
-  function el(tag, cls, text) {
-    var e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text !== undefined && text !== null) e.textContent = String(text);
-    return e;
-  }
-  function field(parent, label, value, cls, always) {
-    var empty = value === undefined || value === null || value === "";
-    if (empty && !always) return;
-    var d = el("div", "field " + (cls || ""));
-    d.appendChild(el("span", "flabel", label));
-    d.appendChild(el("pre", empty ? "dim" : null, empty ? "(empty)" : value));
-    parent.appendChild(d);
-  }
-  function f3(v) { return (v === null || v === undefined) ? "n/a" : (v >= 0 ? "+" : "") + v.toFixed(3); }
-  function stats(rs) {
-    var r = rs.map(function (x) { return x.reward || 0; });
-    var m = r.reduce(function (a, b) { return a + b; }, 0) / r.length;
-    var v = r.reduce(function (a, b) { return a + (b - m) * (b - m); }, 0) / r.length;
-    return {mean: m, std: Math.sqrt(v), flat: r.every(function (x) { return x === r[0]; })};
-  }
-  D.steps.forEach(function (s) { var o = el("option", null, "step " + s); o.value = String(s); sel.appendChild(o); });
-  function rollout(r, i, gold) {
-    var col = el("div", "rollout " + (r.reward > 0 ? "win" : "loss"));
-    var h = el("div", "rhead");
-    h.appendChild(el("b", null, "rollout " + (i + 1)));
-    h.appendChild(el("span", "badge " + (r.reward > 0 ? "ok" : "bad"), "R = " + (r.reward === null ? "?" : r.reward)));
-    col.appendChild(h);
-    var adv = el("div", "adv " + (r.advantage > 0 ? "pos" : r.advantage < 0 ? "neg" : "zero"));
-    adv.appendChild(el("b", null, "A_i = " + f3(r.advantage)));
-    adv.appendChild(el("span", null, " advantage A_i, broadcast to every planner turn"));
-    col.appendChild(adv);
-    if (!r.turns.length) col.appendChild(el("p", "dim", "no turns recorded"));
-    r.turns.forEach(function (t) {
-      var c = el("div", "turn");
-      var th = el("div", "thead");
-      th.appendChild(el("b", null, "turn " + t.turn));
-      th.appendChild(el("span", "tool", t.tool || "no tool"));
-      if (t.verdict) th.appendChild(el("span", "verdict " + t.verdict, "verifier: " + t.verdict));
-      c.appendChild(th);
-      field(c, "planner action (trained, weight A_i = " + f3(r.advantage) + ")", t.planner, "planner");
-      if (!t.recorded) c.appendChild(el("p", "dim", "no memory record for this turn"));
-      // The memory record of the turn; empty fields are shown as such (they say something).
-      field(c, "sub-goal", t.sub_goal, null, t.recorded);
-      field(c, "command (executor)", t.command, null, t.recorded);
-      field(c, "result", t.result, "result", t.recorded);
-      field(c, "error", t.error, "err");
-      col.appendChild(c);
-    });
-    var fin = el("div", "final " + (r.reward > 0 ? "ok" : "bad"));
-    field(fin, "final answer " + (r.reward > 0 ? "\u2713" : "\u2717"), r.answer, null, true);
-    field(fin, "gold", gold);
-    col.appendChild(fin);
-    return col;
-  }
-  function render() {
-    var S = D.by_step[sel.value];
-    box.replaceChildren();
-    var m = S.metrics, parts = [S.groups.length + " query groups"];
-    if (m) {
-      if (m.reward_mean !== undefined) parts.push("reward mean " + Number(m.reward_mean).toFixed(3));
-      if (m.zero_variance_groups !== undefined)
-        parts.push("no-signal groups " + Math.round(100 * m.zero_variance_groups) + "%");
-      if (m.mean_turns !== undefined) parts.push("mean turns " + Number(m.mean_turns).toFixed(2));
-      if (m.top_tool !== undefined) parts.push("top tool " + m.top_tool);
-    }
-    info.textContent = parts.join(" \u00b7 ");
-    var shown = 0;
-    S.groups.forEach(function (g) {
-      var st = stats(g.rollouts);
-      if (only.checked && st.flat) return;
-      shown++;
-      var sec = el("div", "group");
-      var hd = el("div", "ghead");
-      hd.appendChild(el("b", null, "query " + g.group + (g.task ? " \u00b7 " + g.task : "")));
-      hd.appendChild(el("span", "dim", " G = " + g.rollouts.length + " rollouts \u00b7 rewards [" +
-        g.rollouts.map(function (r) { return r.reward; }).join(", ") + "] \u00b7 mean " + st.mean.toFixed(3) +
-        " \u00b7 std " + st.std.toFixed(3)));
-      sec.appendChild(hd);
-      sec.appendChild(el("pre", "query", g.query));
-      var gold = (g.gold || []).join("  |  ");
-      if (st.flat) sec.appendChild(el("p", "flat", "All " + g.rollouts.length + " rewards are equal, so " +
-        "every A_i = 0: this query contributes no gradient this step."));
-      var row = el("div", "rollouts");
-      row.style.gridTemplateColumns = "repeat(" + g.rollouts.length + ", minmax(220px, 1fr))";
-      g.rollouts.forEach(function (r, i) { row.appendChild(rollout(r, i, gold)); });
-      sec.appendChild(row);
-      box.appendChild(sec);
-      if (row.scrollWidth > row.clientWidth + 2)  // too many rollouts for the window: say so
-        sec.insertBefore(el("p", "dim", "\u2194 scroll sideways to see all " + g.rollouts.length + " rollouts"), row);
-    });
-    if (!shown) box.appendChild(el("p", "note", only.checked ?
-      "Every group of this step has equal rewards (no learning signal)." : "This step has no trajectories."));
-  }
-  function move(d) {
-    var i = sel.selectedIndex + d;
-    if (i >= 0 && i < sel.options.length) { sel.selectedIndex = i; render(); }
-  }
-  sel.addEventListener("change", render);
-  only.addEventListener("change", render);
-  document.getElementById("prev-step").addEventListener("click", function () { move(-1); });
-  document.getElementById("next-step").addEventListener("click", function () { move(1); });
-  sel.selectedIndex = sel.options.length - 1;  // the latest step
-  render();
-})();
-"""
-
-
 # ----------------------------------------------------------------------------------------
-# The page
+# The page. Its style sheet and script live next to this file (report.css, report.js) and
+# are inlined at render time, so the page needs nothing but itself.
 
 
-CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;color:#1d2125;
- background:#f6f7f9;font-size:14px;line-height:1.45}
-header{background:#1f2933;color:#fff;padding:14px 24px}
-header h1{margin:0 0 4px;font-size:20px} header .dim{color:#c9d1d9}
-nav a{color:#9fd3ff;margin-right:14px;text-decoration:none}
-main{padding:8px 24px 40px;max-width:1900px}
-section{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:8px 18px 16px;margin:16px 0}
-h2{font-size:18px;margin:10px 0} h3{font-size:15px;margin:14px 0 6px}
-.note{color:#444;max-width:1100px} .warn{background:#fff6e0;border-left:4px solid #E69F00;padding:6px 10px}
-.dim{color:#6b7280;font-weight:normal}
-.cols{display:flex;gap:48px;flex-wrap:wrap;align-items:flex-start} .cols>div{flex:0 1 560px}
-table.kv th{text-align:left;padding:2px 14px 2px 0;font-weight:600;color:#374151}
-table.kv td{padding:2px 10px 2px 0}
-table.grid{border-collapse:collapse;margin:6px 0}
-table.grid th,table.grid td{border:1px solid #dde1e6;padding:4px 10px;text-align:right;white-space:nowrap}
-table.grid th:first-child{text-align:left} table.grid th.sub{font-weight:normal;padding-left:22px}
-table.grid thead th{background:#f0f2f5;text-align:center}
-td.good{color:#0a7a3e;font-weight:600} td.bad{color:#b42318;font-weight:600}
-.timebar{display:flex;height:18px;width:420px;border-radius:4px;overflow:hidden;margin:4px 0 8px}
-.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(400px,1fr));gap:14px}
-figure.chart{margin:0;border:1px solid #e5e7eb;border-radius:6px;padding:8px 10px;background:#fff}
-figure.chart svg{width:100%;max-width:640px;height:auto;display:block}
-#tool-shift figure.chart svg{width:auto;max-width:100%}
-figcaption{font-size:14px;margin-bottom:2px}
-.explain{color:#4b5563;font-size:12.5px;margin:4px 0 0}
-.empty{color:#6b7280;background:#f3f4f6;border-radius:4px;padding:30px 12px;text-align:center}
-.legend{font-size:12px;margin:2px 0 4px} .key{margin-right:12px;white-space:nowrap}
-i.sw{display:inline-block;width:18px;height:0;border-top:2.5px solid var(--c);vertical-align:middle;margin-right:4px}
-i.sw.dash{border-top-style:dashed} i.sw.box{width:11px;height:11px;border:0;background:var(--c);border-radius:2px}
-i.sw.dot{width:8px;height:8px;border:2px solid var(--c);border-radius:50%;background:#fff}
-svg .plot{fill:#fff;stroke:#9ca3af} svg .grid{stroke:#e5e7eb} svg .axis{stroke:#6b7280}
-svg .tick{font-size:11px;fill:#4b5563} svg .alabel{font-size:12px;fill:#1f2937}
-svg .inbar{font-size:11px;font-weight:600}
-.controls{display:flex;gap:14px;align-items:center;flex-wrap:wrap;margin:8px 0 12px}
-.controls select,.controls button{font-size:14px;padding:3px 8px}
-.group{border-top:2px solid #dde1e6;padding:10px 0 14px}
-.ghead{margin-bottom:4px} pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:12.5px;
- font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-pre.query{background:#eef2ff;padding:6px 8px;border-radius:4px;margin:4px 0 8px;font-size:13.5px}
-.flat{color:#92400e;background:#fef3c7;padding:4px 8px;border-radius:4px;margin:4px 0 8px}
-.rollouts{display:grid;gap:10px;overflow-x:auto}
-.rollout{border:1px solid #dde1e6;border-radius:6px;padding:8px;background:#fcfcfd;min-width:0}
-.rollout.win{border-top:4px solid #009E73} .rollout.loss{border-top:4px solid #D55E00}
-.rhead{display:flex;justify-content:space-between;align-items:center}
-.badge{padding:1px 8px;border-radius:10px;font-weight:600;font-size:12.5px}
-.badge.ok{background:#d1fae5;color:#065f46} .badge.bad{background:#fee2e2;color:#991b1b}
-.adv{margin:6px 0;padding:4px 6px;border-radius:4px;font-size:12.5px}
-.adv.pos{background:#ecfdf5} .adv.neg{background:#fef2f2} .adv.zero{background:#f3f4f6}
-.adv span{color:#4b5563}
-.turn{border-left:3px solid #cbd5e1;padding:2px 0 4px 8px;margin:8px 0}
-.thead{display:flex;gap:8px;align-items:center;flex-wrap:wrap;margin-bottom:2px}
-.tool{background:#e0f2fe;color:#075985;border-radius:4px;padding:0 6px;font-size:12.5px}
-.verdict{font-size:12px;border-radius:4px;padding:0 6px;background:#f3f4f6}
-.verdict.stop{background:#ede9fe;color:#5b21b6}
-.field{margin:3px 0} .flabel{display:block;font-size:11.5px;color:#6b7280;font-style:italic}
-.field.planner pre{background:#fffbeb;padding:3px 5px;border-radius:3px}
-.field.err pre{color:#b42318}
-.field.result pre{max-height:9.5em;overflow-y:auto;background:#f8fafc}
-.final{margin-top:8px;padding:6px;border-radius:4px} .final.ok{background:#ecfdf5} .final.bad{background:#fef2f2}
-"""
+def asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")
+
+
+def page_head(title: str) -> str:
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{asset("report.css")}'
+            "</style></head><body>")
+
+
+def run_title(run: dict) -> tuple[str, str, str]:
+    """The page title in three parts, (before, the folder's name, after)."""
+    seed = cfg_get(run["config"], "seed")
+    return "Flow-GRPO run report: ", run["dir"].resolve().name, f" (seed {seed})" if seed is not None else ""
 
 
 def render(run: dict) -> str:
@@ -1118,40 +1484,187 @@ def render(run: dict) -> str:
     have = {"config.json": run["config"] is not None, "metrics.jsonl": bool(run["metrics"]),
             "trajectories/": bool(run["traj_files"]), "eval/step_N/": bool(run["evals"]),
             "learning.json": run["learning"] is not None}
-    title = f"Flow-GRPO run report: {out.resolve().name}"
-    head = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head><body>'
-            f'<header><h1>{esc(title)}</h1><div class="dim">{esc(out.resolve())} · generated '
-            f'{esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · AgentFlow planner trained with Flow-GRPO</div>')
+    before, name, after = run_title(run)
+    title = before + name + after
+    # report.js replaces the folder with where the page is opened from: a moved or copied
+    # run directory is named as it is now, not where it was generated.
+    head = (page_head(title) + f'<header><h1>{esc(before)}<span id="run-name">{esc(name)}</span>{esc(after)}</h1>'
+            f'<div class="dim"><span id="run-dir" data-what="dir" title="the run directory">'
+            f'{esc(out.resolve())}</span> · generated '
+            f'{esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · AgentFlow planner trained with Flow-GRPO</div>'
+            f'<div class="prov" id="provenance">{provenance_line(run)}</div>' + "".join(header_warnings(run)))
+    script = f"<script>{asset('report.js')}</script>"
     if not any(have.values()):
         return (head + "</header><main><section id=\"nothing\"><h2>Nothing to report yet</h2>"
                 + note(f"This folder has none of the files a training run writes (config.json, metrics.jsonl, "
                        f"trajectories/, eval/, learning.json). Start one with <code>python train.py config.yaml "
                        f"out_dir={esc(out)}</code>, or point report.py at a run's out_dir.", "note warn")
-                + "</section></main></body></html>\n")
-    nav = ('<nav><a href="#run">1. run</a><a href="#before-after">2. before vs after</a><a href="#curves">3. curves'
-           '</a><a href="#tool-shift">4. tool shift</a><a href="#trajectories">5. trajectories</a></nav>')
+                + "</section></main>" + script + "</body></html>\n")
+    nav = ('<nav><a href="#run">1. run</a><a href="#before-after">2. before vs after</a><a href="#items">items</a>'
+           '<a href="#curves">3. cut &amp; curves</a><a href="#tool-shift">4. tool shift</a>'
+           '<a href="#trajectories">5. trajectories</a></nav>')
     missing = [k for k, v in have.items() if not v]
     body = []
     if missing:
         body.append(note("Not in this folder (yet): " + ", ".join(f"<code>{esc(k)}</code>" for k in missing)
                          + ". The sections below say what that leaves out.", "note warn"))
     for section in (section_run, section_before_after, section_curves, section_tool_shift, section_trajectories):
-        try:
-            body.append(section(run))
-        except Exception as e:  # one malformed field must not cost the whole page (or the training run)
-            body.append(f'<section><h2>{esc(section.__name__)}</h2>'
-                        + note(f"This section could not be drawn: {esc(type(e).__name__)}: {esc(e)}", "note warn")
-                        + "</section>")
-    return head + nav + "</header><main>" + "".join(body) + "</main></body></html>\n"
+        body.append(guarded(section, run))
+    return head + nav + "</header><main>" + "".join(body) + "</main>" + script + "</body></html>\n"
+
+
+def guarded(section, *args) -> str:
+    try:
+        return section(*args)
+    except Exception as e:  # one malformed field must not cost the whole page (or the training run)
+        return (f'<section><h2>{esc(section.__name__)}</h2>'
+                + note(f"This section could not be drawn: {esc(type(e).__name__)}: {esc(e)}", "note warn")
+                + "</section>")
+
+
+# ----------------------------------------------------------------------------------------
+# The comparison page: runs side by side (provenance and config differences, held-out
+# before/after with intervals, items the runs disagree on), curves overlaid, tool shifts.
+
+
+def run_labels(runs: list[dict]) -> list[str]:
+    names = [r["dir"].resolve().name for r in runs]
+    if len(set(names)) < len(names):  # same folder name in different places: add the parent
+        names = [f"{r['dir'].resolve().parent.name}/{r['dir'].resolve().name}" for r in runs]
+    return names
+
+
+def _flat(d, prefix=""):
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def compare_runs_section(runs: list[dict], labels: list[str], out_file: Path) -> str:
+    head = "".join(f'<th><i class="sw box" style="--c:{c}"></i>{esc(n)}</th>' for n, c in zip(labels, RUN_COLORS))
+    links = []
+    for r in runs:
+        page = r["dir"] / "report.html"
+        href = os.path.relpath(page.resolve(), out_file.resolve().parent) if page.exists() else None
+        links.append(f'<a href="{esc(href)}">report.html</a>' if href else "no report.html")
+    rows = {"run report": links}
+    provs = [dict(provenance_rows(r)) for r in runs]
+    for label in ["seed"] + [lab for _, lab in PROVENANCE_FIELDS] + ["started", "wall time in all"]:
+        if any(label in p for p in provs):
+            rows[label] = [esc(p.get(label, "—")) for p in provs]
+    steps = [str(r["metrics"][-1]["step"]) if r["metrics"] else "0" for r in runs]
+    rows["steps done"] = steps
+    flat = [dict(_flat(r["config"])) for r in runs]
+    keys = sorted({k for f in flat for k in f} - {"out_dir"})
+    differ = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+    for k in differ:
+        rows[f"config: {k}"] = [esc(json.dumps(f.get(k))) if k in f else "—" for f in flat]
+    body = "".join(f"<tr><th>{esc(k)}</th>{''.join(f'<td>{v}</td>' for v in vs)}</tr>" for k, vs in rows.items())
+    return ('<section id="runs"><h2>1. The runs</h2><table class="grid kvgrid"><thead><tr><th></th>'
+            f'{head}</tr></thead><tbody>{body}</tbody></table>'
+            + note(f"{len(differ)} config key{'s' if len(differ) != 1 else ''} differ (out_dir left out)"
+                   + (": " + ", ".join(f"<code>{esc(k)}</code>" for k in differ) if differ else "")
+                   + ". Same seed, commit and config but another CPU kind, SIMD level, thread count or torch "
+                   "version can still sum floats in another order and sample other tokens.")
+            + "</section>")
+
+
+def compare_heldout_section(runs: list[dict], labels: list[str]) -> str:
+    parts = ['<section id="before-after"><h2>2. Held-out before vs after, side by side</h2>']
+    tables = [accuracy_rows(b or {}, a or {}, br, ar) for b, a, br, ar, _ in (before_after(r) for r in runs)]
+    kinds = ["all"] + sorted({row["kind"] for t in tables for row in t} - {"all"})
+    head1 = "".join(f'<th colspan="4"><i class="sw box" style="--c:{c}"></i>{esc(n)}</th>'
+                    for n, c in zip(labels, RUN_COLORS))
+    head2 = "<th>before</th><th>after</th><th>Δ (interval)</th><th>flips + / −</th>" * len(runs)
+    body = []
+    for kind in kinds:
+        cells = []
+        for t in tables:
+            row = next((r for r in t if r["kind"] == kind), {"kind": kind})
+            cells.append(count_cell(row.get("before")) + count_cell(row.get("after")) + change_cells(row, False))
+        label = "accuracy, all items" if kind == "all" else esc(kind)
+        body.append(f'<tr><th{SUB if kind != "all" else ""}>{label}</th>{"".join(cells)}</tr>')
+    parts.append(f'<table class="grid acc"><thead><tr><th rowspan="2">task kind</th>{head1}</tr><tr>{head2}</tr>'
+                 f'</thead><tbody>{"".join(body)}</tbody></table>' + note(INTERVALS_NOTE, "note small"))
+    parts.append(disagreements(runs, labels))
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def disagreements(runs: list[dict], labels: list[str]) -> str:
+    """Held-out items whose verdict (before or after) is not the same in every run."""
+    verdicts = []
+    for r in runs:
+        _, _, br, ar, _ = before_after(r)
+        verdicts.append(({x.get("id"): x for x in br or []}, {x.get("id"): x for x in ar or []}))
+    if not all(b and a for b, a in verdicts):
+        return note("Per-item comparison: needs every run's before and after results.jsonl.")
+    ids = sorted(set.intersection(*[set(a) for _, a in verdicts]))
+    mark = lambda x: "✓" if x and x.get("correct") else "✗" if x else "—"  # noqa: E731
+    rows = []
+    for i in ids:
+        pairs = [(mark(b.get(i)), mark(a.get(i))) for b, a in verdicts]
+        if len(set(pairs)) > 1:
+            item = verdicts[0][1][i]
+            cells = "".join(f'<td class="{"good" if y == "✓" and x != "✓" else "bad" if x == "✓" and y != "✓" else ""}">'
+                            f"{x} → {y}</td>" for x, y in pairs)
+            rows.append(f"<tr><th>{esc(i)}</th><td>{esc(item.get('task', ''))}</td>"
+                        f'<td class="q">{esc(clip(item.get("question"), 120))}</td>{cells}</tr>')
+    head = "".join(f"<th>{esc(n)}</th>" for n in labels)
+    return (f"<h3>Items on which the runs differ ({len(rows)} of {len(ids)})</h3>"
+            + note("Verdict before → after training in each run (✓ right, ✗ wrong); open a run's report for the "
+                   "trajectories. Only items whose verdicts are not the same in every run are listed.")
+            + (f'<table class="grid items"><thead><tr><th>item</th><th>kind</th><th>question</th>{head}</tr>'
+               f'</thead><tbody>{"".join(rows)}</tbody></table>' if rows else ""))
+
+
+def compare_curves_section(runs: list[dict], labels: list[str]) -> str:
+    valses = [step_values(r) for r in runs]
+    entries = [(r, v, curve_facts(r, v), lab, c) for r, v, lab, c in zip(runs, valses, labels, RUN_COLORS)]
+    x_range = x_extent(valses)
+    figs = "".join(curve_figure(row, entries, x_range) for row in CURVES)
+    return ('<section id="curves"><h2>3. Training curves, overlaid</h2>'
+            + note("One colour per run; where a chart has several series, they differ by dash (grey keys). "
+                   "The explanations are those of the first run.")
+            + f'<div class="charts">{figs}</div></section>')
+
+
+def render_comparison(runs: list[dict], out_file: Path) -> str:
+    labels = run_labels(runs)
+    title = "Flow-GRPO runs compared: " + " vs ".join(labels)
+    head = (page_head(title) + f'<header><h1>{esc(title)}</h1><div class="dim">generated '
+            f'{esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · written to <span id="run-dir" data-what="file">{esc(out_file.resolve())}'
+            "</span></div>")
+    for r, lab, c in zip(runs, labels, RUN_COLORS):
+        head += (f'<div class="prov"><i class="sw box" style="--c:{c}"></i><b>{esc(lab)}</b>: {provenance_line(r)}'
+                 "</div>" + "".join(header_warnings(r)))
+    nav = ('<nav><a href="#runs">1. runs</a><a href="#before-after">2. before vs after</a>'
+           '<a href="#curves">3. curves</a><a href="#tool-shift">4. tool shift</a></nav>')
+    shifts = "".join(guarded(tool_shift_figure, r, f"{lab}: tool shares before vs after") for r, lab in
+                     zip(runs, labels))
+    body = [guarded(compare_runs_section, runs, labels, out_file), guarded(compare_heldout_section, runs, labels),
+            guarded(compare_curves_section, runs, labels),
+            f'<section id="tool-shift"><h2>4. Tool-usage shift per task kind</h2><div class="charts wide">{shifts}'
+            "</div></section>"]
+    return (head + nav + "</header><main>" + "".join(body) + "</main>"
+            + f"<script>{asset('report.js')}</script></body></html>\n")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
+    args, out = list(argv), None
+    if "--out" in args:
+        i = args.index("--out")
+        out = args[i + 1] if i + 1 < len(args) else None
+        del args[i:i + 2]
+        if out is None:
+            args = []
+    if not args or any(a.startswith("-") for a in args):
         print(__doc__.split("\n\n")[1])
         return 2
     try:
-        path = write_report(argv[0])
+        path = write_report(args[0]) if len(args) == 1 else write_comparison(args, out)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

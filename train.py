@@ -45,7 +45,7 @@ from config import ConfigError, load_config
 from eval import evaluate
 from flow_grpo import LossConfig, build_rows, group_advantages, policy_update, zero_variance_groups
 from judge import score_item
-from report import write_report
+from report import record_run, write_report
 from tools import build_tools
 
 
@@ -68,6 +68,7 @@ def run(cfg: dict) -> dict:
     out = Path(cfg["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
     t = cfg["train"]
     seed_everything(cfg["seed"])
     if cfg["model"]["threads"]:

@@ -1,10 +1,21 @@
-"""report.py on fake run directories: a full run, a run with only metrics, an empty folder.
-No model and no browser: the page is parsed with html.parser."""
+"""report.py on fake run directories laid out like train.py's: a full run, a run with only
+metrics, an empty folder, two runs compared; the interval arithmetic; provenance; and the
+page driven in headless Chromium (skipped, saying why, when chromium or chromedriver is
+not installed). No model runs: the files are written here, in the formats train.py and
+eval.py write."""
 
+import base64
 import json
 import math
 import random
+import re
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -12,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
+import charts  # noqa: E402
 import report  # noqa: E402
 from eval import summarize  # noqa: E402  (the real summary format)
 
@@ -20,13 +32,17 @@ TOOLS = ["Base_Generator", "Python_Coder", "Local_Search"]
 TASKS = ["arithmetic", "lookup", "two_step"]
 # The tool that makes each task kind solvable (as in tasks.py's suite).
 RIGHT_TOOL = {"arithmetic": "Python_Coder", "lookup": "Local_Search", "two_step": "Local_Search"}
+# What a planner's tool line says when it does not name its tool exactly (parse_plan
+# reads it through the tool's aliases).
+LOOSE_NAME = {"Python_Coder": "Python_Corner", "Local_Search": "Local", "Base_Generator": "Base"}
+CAP = 40  # the fake runs' planner max_new_tokens
 
 
 def fake_config(out: Path, steps: int, groups: int, G: int) -> dict:
     return {"seed": 0, "out_dir": str(out), "resume": True,
             "model": {"name": "smollm2-135m", "device": "auto", "dtype": "float32", "threads": 0},
             "agent": {"tools": TOOLS, "max_turns": 3, "constrain_tool": True,
-                      "planner": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 40}},
+                      "planner": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": CAP}},
             "train": {"steps": steps, "queries_per_step": groups, "group_size": G, "lr": 2e-5, "beta": 0.001,
                       "eps_low": 0.2, "eps_high": 0.3, "advantage_mode": "trajectory", "epochs": 1,
                       "minibatches": 1, "train_layers": 0, "eval_every": 0, "eval_before_after": True},
@@ -45,7 +61,8 @@ def fake_question(rng: random.Random, task: str) -> tuple[str, str]:
 
 
 def fake_trajectory(rng: random.Random, task: str, query: str, gold: str, skill: float, hostile: bool) -> dict:
-    """One rollout: the planner picks the right tool with probability `skill`."""
+    """One rollout: the planner picks the right tool with probability `skill`, names it
+    loosely now and then, and sometimes runs into max_new_tokens."""
     memory, log, tools = [], [], []
     solved = False
     for t in range(1, 4):  # T_max = 3
@@ -62,7 +79,10 @@ def fake_trajectory(rng: random.Random, task: str, query: str, gold: str, skill:
         verdict = "" if t == 3 else "stop" if solved or rng.random() < 0.3 else "continue"
         memory.append({"turn": t, "sub_goal": sub_goal, "tool": tool, "command": command, "result": result,
                        "error": error, "verdict": verdict})
-        log.append({"module": "planner", "turn": t, "output": f"Tool: {tool}\nSub-goal: {sub_goal}"})
+        line = LOOSE_NAME[tool] if rng.random() < 0.3 else tool
+        tokens = CAP if rng.random() < 0.3 else rng.randint(4, CAP - 1)
+        log.append({"module": "planner", "turn": t, "output": f"Tool: {line}\nSub-goal: {sub_goal}",
+                    "tokens": tokens, "finish": "length" if tokens == CAP else "stop"})
         log.append({"module": "executor", "turn": t, "tool": tool, "output": command})
         if verdict:
             log.append({"module": "verifier", "turn": t, "output": verdict.upper()})
@@ -77,8 +97,8 @@ def fake_trajectory(rng: random.Random, task: str, query: str, gold: str, skill:
             "_errors": sum(bool(m["error"]) for m in memory)}
 
 
-def fake_eval(out: Path, step: int, skill: float, n: int = 18, hostile: bool = False) -> dict:
-    rng = random.Random(1000 + step)
+def fake_eval(out: Path, step: int, skill: float, n: int = 18, hostile: bool = False, seed: int = 0) -> dict:
+    rng = random.Random(1000 + step + 7919 * seed)
     rows = []
     for k in range(n):
         task = TASKS[k % 3]
@@ -88,7 +108,7 @@ def fake_eval(out: Path, step: int, skill: float, n: int = 18, hostile: bool = F
                      "answer": tr["answer"], "extracted": tr["answer"], "correct": bool(tr["reward"]),
                      "f1": tr["reward"], "turns": tr["n_turns"], "tools": tr["tools"], "tool_calls": len(tr["tools"]),
                      "tool_errors": tr["_errors"], "errors": [m["error"] for m in tr["memory"] if m["error"]],
-                     "trajectory": None})
+                     "trajectory": {**{k: v for k, v in tr.items() if k != "_errors"}, "reward": 0.0}})
     d = out / "eval" / f"step_{step}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -98,14 +118,14 @@ def fake_eval(out: Path, step: int, skill: float, n: int = 18, hostile: bool = F
 
 
 def make_fake_run(tmp_path: Path, steps: int = 5, groups: int = 2, G: int = 4, *, evals: bool = True,
-                  trajectories: bool = True, hostile: bool = True, seed: int = 0) -> Path:
+                  trajectories: bool = True, hostile: bool = True, seed: int = 0, name: str = "run") -> Path:
     """A run directory laid out like train.py's, with a planner that learns the right tools."""
-    out = Path(tmp_path) / "run"
+    out = Path(tmp_path) / name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(fake_config(out, steps, groups, G), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps({**fake_config(out, steps, groups, G), "seed": seed}, indent=2) + "\n")
     rng = random.Random(seed)
     if evals:
-        before = fake_eval(out, 0, 0.3)
+        before = fake_eval(out, 0, 0.3, seed=seed)
     metrics = []
     for step in range(1, steps + 1):
         skill = 0.3 + 0.6 * step / steps
@@ -144,7 +164,7 @@ def make_fake_run(tmp_path: Path, steps: int = 5, groups: int = 2, G: int = 4, *
                         "time_judge": rng.uniform(0.01, 0.05), "time_update": rng.uniform(3, 6)})
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     if evals:
-        after = fake_eval(out, steps, 0.9)
+        after = fake_eval(out, steps, 0.9, seed=seed)
         (out / "learning.json").write_text(json.dumps({"before": before, "after": after}, indent=2) + "\n")
     return out
 
@@ -215,10 +235,24 @@ SECTIONS = ["1. The run", "2. Held-out evaluation: before vs after training", "3
             "4. Tool-usage shift per task kind", "5. Trajectory browser"]
 
 
-def embedded(c: Checker) -> dict:
-    blobs = [body for attrs, body in c.scripts if attrs.get("type") == "application/json"]
+def embedded(c: Checker, block: str = "traj-data") -> dict:
+    blobs = [body for attrs, body in c.scripts if attrs.get("type") == "application/json" and attrs.get("id") == block]
     assert len(blobs) == 1
     return json.loads(blobs[0])
+
+
+def results(out: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval" / f"step_{step}" / "results.jsonl").read_text().splitlines()]
+
+
+def loose_in(traj: dict) -> bool:
+    """Written here without report.py: the planner's tool line does not hold the name of
+    the tool its turn was recorded with."""
+    first = {e["turn"]: e["output"].splitlines()[0] for e in traj["log"] if e["module"] == "planner"}
+    return any(m["tool"] and m["tool"].lower() not in first[m["turn"]].lower() for m in traj["memory"])
+
+
+N_CURVES = len(report.CURVES)
 
 
 # ----------------------------------------------------------------------------------------
@@ -234,10 +268,10 @@ def test_full_run(tmp_path):
     c = check_html(text)
     for h in SECTIONS:
         assert h in c.headings, h
-    # One chart = one <figure> with exactly one <svg>: 12 curves and the tool-shift bars.
+    # One chart = one <figure> with exactly one <svg>: every curve and the tool-shift bars.
     assert c.figures and all(n == 1 for n in c.figures), c.figures
-    assert len(c.figures) == 13
-    assert sum(1 for t, _ in c.tags if t == "svg") == 13
+    assert len(c.figures) == N_CURVES + 1
+    assert sum(1 for t, _ in c.tags if t == "svg") == N_CURVES + 1
     # Self-contained: nothing loaded from elsewhere.
     for tag, attrs in c.tags:
         assert not (tag in ("script", "img", "link", "iframe") and (attrs.get("src") or attrs.get("href"))), tag
@@ -286,8 +320,9 @@ def test_hostile_text_is_escaped(tmp_path):
     assert HOSTILE not in text and "<img" not in text and "</script><img" not in text
     c = check_html(text)
     assert not any(t == "img" for t, _ in c.tags)
-    # Exactly the two scripts the report emits, the data block intact with the string inside it.
-    assert len(c.scripts) == 2
+    # Exactly the scripts the report emits (two data blocks, the browser script), the data
+    # blocks intact with the string inside them.
+    assert len(c.scripts) == 3
     data = embedded(c)
     g0 = data["by_step"]["1"]["groups"][0]
     assert g0["query"].startswith(HOSTILE)
@@ -306,8 +341,10 @@ def test_only_metrics(tmp_path):
     assert "No trajectories in this folder" in plain
     assert "config.json is missing" in plain
     assert not [b for a, b in c.scripts if a.get("type") == "application/json"]
-    assert sum(1 for t, _ in c.tags if t == "svg") == 12  # the curves, no tool-shift bars
-    assert len(c.figures) == 13  # the tool-shift figure explains why it is empty
+    # The curves from metrics.jsonl; those drawn from trajectories and the tool-shift bars
+    # explain why they are empty.
+    assert sum(1 for t, _ in c.tags if t == "svg") == N_CURVES - 4
+    assert len(c.figures) == N_CURVES + 1
 
 
 def test_run_in_progress_and_many_steps(tmp_path, monkeypatch):
@@ -339,7 +376,7 @@ def test_empty_and_missing_dir(tmp_path, capsys):
 
 
 def test_nice_ticks_and_step_picking():
-    lo, hi, ticks = report.nice_ticks(0.0013, 0.0087)
+    lo, hi, ticks = charts.nice_ticks(0.0013, 0.0087)
     assert lo <= 0.0013 and hi >= 0.0087 and 3 <= len(ticks) <= 7
     assert report.pick_steps(list(range(1, 101)), 40)[0] == 1 and report.pick_steps(list(range(1, 101)), 40)[-1] == 100
     assert len(report.pick_steps(list(range(1, 101)), 40)) == 40
@@ -360,3 +397,451 @@ def test_malformed_values_still_render(tmp_path):
     for h in SECTIONS:
         assert h in c.headings, h
     assert embedded(c)["steps"] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------
+# Intervals
+
+
+def test_wilson_interval():
+    # At k = 0 the Wilson upper limit has the closed form z^2 / (n + z^2).
+    z2 = report.Z95 ** 2
+    assert report.wilson(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
+    assert report.wilson(10, 10) == pytest.approx((10 / (10 + z2), 1.0))
+    lo, hi = report.wilson(38, 40)
+    assert lo < 0.95 < hi <= 1 and hi - lo < 0.2
+    # Its centre is pulled towards 1/2, unlike the Wald interval's.
+    assert (lo + hi) / 2 < 0.95
+
+
+def exact_coverage(interval, n: int, probs: tuple[float, float, float, float]) -> float:
+    """P(the interval covers the true change) summed over every paired table of n items:
+    probs = (right both, gained, lost, wrong both)."""
+    truth = probs[1] - probs[2]
+    total = 0.0
+    for a in range(n + 1):
+        for b in range(n + 1 - a):
+            for c in range(n + 1 - a - b):
+                d = n - a - b - c
+                p = (math.factorial(n) / (math.factorial(a) * math.factorial(b) * math.factorial(c) * math.factorial(d))
+                     * probs[0] ** a * probs[1] ** b * probs[2] ** c * probs[3] ** d)
+                lo, hi = interval(a, b, c, d)
+                total += p * (lo <= truth <= hi)
+    return total
+
+
+def test_paired_change_interval():
+    # Mirror image: swapping the flips mirrors the interval around 0.
+    lo, hi = report.paired_change_interval(10, 28, 2, 56)
+    assert report.paired_change_interval(10, 2, 28, 56) == pytest.approx((-hi, -lo))
+    assert lo < 26 / 96 < hi and lo > 0
+    # No flips: the change is 0 and the interval holds it.
+    lo, hi = report.paired_change_interval(30, 0, 0, 10)
+    assert lo < 0 < hi
+    # Pairing narrows it when the verdicts agree (most items stay as they were).
+    paired = report.paired_change_interval(30, 4, 1, 5)
+    unpaired = report.change_interval(34, 31, 40)
+    assert paired[1] - paired[0] < unpaired[1] - unpaired[0]
+    # It holds its nominal 95% on the size of a task kind's held-out split: exact coverage.
+    for probs in ((0.6, 0.15, 0.05, 0.2), (0.45, 0.05, 0.05, 0.45), (0.3, 0.3, 0.1, 0.3)):
+        cover = exact_coverage(report.paired_change_interval, 20, probs)
+        assert cover > 0.93, (probs, cover)
+    # ... which the textbook Wald interval for a paired change does not.
+    def wald(a, b, c, d):
+        n = a + b + c + d
+        diff = (b - c) / n
+        se = math.sqrt(max(0.0, (b + c) / n - diff ** 2) / n)
+        return diff - report.Z95 * se, diff + report.Z95 * se
+    for probs in ((0.9, 0.08, 0.01, 0.01), (0.85, 0.1, 0.0, 0.05)):  # few flips, all one way
+        assert exact_coverage(wald, 20, probs) < 0.9 < exact_coverage(report.paired_change_interval, 20, probs)
+
+
+def test_mcnemar_p():
+    assert report.mcnemar_p(0, 0) == 1.0 and report.mcnemar_p(5, 5) == 1.0
+    assert report.mcnemar_p(0, 2) == pytest.approx(0.5)
+    assert report.mcnemar_p(28, 2) == pytest.approx(2 * (1 + 30 + 435) / 2 ** 30)
+    assert report.mcnemar_p(2, 28) == report.mcnemar_p(28, 2)
+
+
+# ----------------------------------------------------------------------------------------
+# What was cut, read loosely, or ran out of turns
+
+
+def one_turn(turn, line, tool, verdict="stop", tokens=None, finish=None):
+    entry = {"module": "planner", "turn": turn, "output": f"Tool: {line}\nSub-goal: x"}
+    if tokens is not None:
+        entry.update(tokens=tokens, finish=finish)
+    return entry, {"turn": turn, "sub_goal": "x", "tool": tool, "command": "c", "result": "r",
+                   "error": "" if tool else "planner named no known tool", "verdict": verdict}
+
+
+def test_planner_turns_flags():
+    log, memory = zip(one_turn(1, "Python_Corner", "Python_Coder", "continue", 16, "length"),
+                      one_turn(2, "nothing useful", "", "", 7, "stop"))
+    turns = report.planner_turns({"log": list(log), "memory": list(memory)})
+    assert [t["loose"] for t in turns] == [True, False]
+    assert [t["no_tool"] for t in turns] == [False, True]
+    assert [t["at_cap"] for t in turns] == [True, False] and [t["tokens"] for t in turns] == [16, 7]
+    assert turns[0]["tool_line"] == "Python_Corner"
+    assert report.out_of_turns(turns, 2) and not report.out_of_turns(turns, 3)
+    exact = report.planner_turns(dict(zip(("log", "memory"), map(list, zip(one_turn(1, "Python_Coder", "Python_Coder"))))))
+    assert not exact[0]["loose"] and exact[0]["at_cap"] is None  # no finish reason recorded
+    stopped = report.planner_turns(dict(zip(("log", "memory"), map(list, zip(one_turn(1, "Local", "Local_Search",
+                                                                                         "stop"))))))
+    assert stopped[0]["loose"] and not report.out_of_turns(stopped, 1)
+    # Without finish reasons, the share at the cap is bounded from the mean length.
+    assert report.cap_share({"actions": 10}, 15.6, 16) == (pytest.approx(0.6), False)
+    assert report.cap_share({"actions": 10}, 9.0, 16) == (0.0, False)
+    assert report.cap_share({"actions": 4, "with_finish": 4, "at_cap": 1}, 9.0, 16) == (0.25, True)
+
+
+def test_cut_table_and_curves(tmp_path):
+    out = make_fake_run(tmp_path, steps=3, groups=2, G=2)
+    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    plain = " ".join(c.text)
+    assert "What was cut or read loosely" in c.headings
+    trajs = [json.loads(line) for s in (1, 2, 3) for line in (out / "trajectories" / f"step_{s}.jsonl").read_text().splitlines()]
+    planner = [e for tr in trajs for e in tr["log"] if e["module"] == "planner"]
+    at_cap = sum(e["finish"] == "length" for e in planner)
+    assert f"{at_cap}/{len(planner)} ({100 * at_cap / len(planner):.1f}%)" in plain
+    loose = sum(tr["memory"][e["turn"] - 1]["tool"].lower() not in e["output"].splitlines()[0].lower()
+                for tr in trajs for e in tr["log"] if e["module"] == "planner")
+    assert f"{loose}/{len(planner)} " in plain and "Python_Corner" in plain
+    vals = report.step_values(report.load_run(out))
+    st1 = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    tok = [e["tokens"] for tr in st1 for e in tr["log"] if e["module"] == "planner"]
+    assert vals["tokens_per_action"][1] == pytest.approx(sum(tok) / len(tok))
+    assert vals["planner_cap"][1] == CAP and "cap_share_min" not in vals
+    kinds = {tr["task"] for tr in st1}
+    for k in kinds:
+        rs = [tr["reward"] for tr in st1 if tr["task"] == k]
+        assert vals[f"reward_kind:{k}"][1] == pytest.approx(sum(rs) / len(rs))
+
+
+def svg_of(text: str, title: str) -> str:
+    m = re.search(r"<figcaption><b>" + re.escape(title) + r"</b></figcaption>.*?(<svg.*?</svg>)", text, re.S)
+    assert m, title
+    return m.group(1)
+
+
+def x_ticks(svg: str) -> list[tuple[str, str]]:
+    return re.findall(r'<text x="([\d.]+)" y="206" class="tick" text-anchor="middle">([^<]*)</text>', svg)
+
+
+def test_small_charts_share_x_and_rates_autoscale(tmp_path):
+    out = make_fake_run(tmp_path, steps=5, groups=2, G=2)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["tool_error_rate"] = 0.01 * r["step"]  # small: a 0..1 axis would flatten it
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report.write_report(out).read_text(encoding="utf-8")
+    curves = text[text.index('id="curves"'):text.index('id="tool-shift"')]
+    svgs = re.findall(r"<svg.*?</svg>", curves, re.S)
+    assert len(svgs) == N_CURVES
+    # The held-out points at step 0 and the training steps from 1: one x-axis for all.
+    assert all(x_ticks(s) == x_ticks(svgs[0]) for s in svgs), {x_ticks(s)[0] for s in svgs}
+    assert x_ticks(svgs[0])[0][1] == "0"
+    y_labels = lambda svg: [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)</text>', svg)]  # noqa: E731
+    assert 0.05 <= max(y_labels(svg_of(curves, "Tool-call error rate"))) < 0.2
+    assert max(y_labels(svg_of(curves, "Reward and accuracy"))) == 1.0  # accuracy keeps 0..1
+
+
+# ----------------------------------------------------------------------------------------
+# The held-out item list, provenance, the turn sweep, the sandbox warning
+
+
+def test_flipped_items(tmp_path):
+    out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
+    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    before = {r["id"]: r for r in results(out, 0)}
+    after = {r["id"]: r for r in results(out, 2)}
+    items = embedded(c, "items-data")["items"]
+    assert {it["id"] for it in items} == set(before)
+    want = {i: ("gained" if after[i]["correct"] and not before[i]["correct"] else
+                "lost" if before[i]["correct"] and not after[i]["correct"] else
+                "right" if after[i]["correct"] else "wrong") for i in before}
+    assert {it["id"]: it["change"] for it in items} == want
+    assert [it["change"] for it in items] == sorted((it["change"] for it in items),
+                                                    key=list(report.CHANGE_ORDER).index)  # flips first
+    it = items[0]
+    assert it["before"]["turns"][0]["planner"] == before[it["id"]]["trajectory"]["log"][0]["output"]
+    # The counts with their percentages, per kind: e.g. "5/6 = 83.3%".
+    plain = "".join(c.text)
+    for kind in TASKS:
+        rows = [r for r in after.values() if r["task"] == kind]
+        k = sum(r["correct"] for r in rows)
+        assert f"{k}/{len(rows)} = {100 * k / len(rows):.1f}%" in plain
+    gained, lost = Counter(want.values())["gained"], Counter(want.values())["lost"]
+    assert f"+{gained} / −{lost}" in plain
+    assert f"{report.mcnemar_p(gained, lost):.3g}" in plain
+    assert "Wilson score interval" in plain and "McNemar" in plain
+
+
+def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
+    import atexit
+    out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    cfg = json.loads((out / "config.json").read_text())
+    first = report.record_run(out, cfg)
+    report.record_run(out, {**cfg, "model": {**cfg["model"], "threads": 3}})  # resumed, other threads
+    procs = json.loads((out / "run.json").read_text())["processes"]
+    assert len(procs) == 2 and procs[0] == first
+    for key in ("seed", "git_commit", "torch", "transformers", "python", "cpu", "cpu_capability", "threads",
+                "started", "started_unix"):
+        assert key in procs[0], key
+    assert procs[1]["threads"] == 3
+    import torch
+    assert procs[0]["torch"] == torch.__version__
+    repo = Path(report.__file__).resolve().parent
+    if (repo / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}( dirty)?", procs[0]["git_commit"])
+    stamps = [f for f in registered if f.__qualname__.startswith("record_run")]  # (imports register theirs)
+    assert len(stamps) == 2
+    for stamp in stamps:  # the exit hooks: each stamps its own process's wall time
+        stamp()
+    procs = json.loads((out / "run.json").read_text())["processes"]
+    assert all(p["wall_s"] >= 0 for p in procs)
+    procs[0]["wall_s"], procs[1]["wall_s"] = 100.0, 65.0
+    (out / "run.json").write_text(json.dumps({"processes": procs}))
+    text = report.write_report(out).read_text(encoding="utf-8")
+    header = text[text.index("<header>"):text.index("</header>")]
+    assert "2 min 45 s wall time in all" in header and f"torch {torch.__version__}" in header
+    assert "changed when the run was resumed" in text  # threads 0 -> 3
+    assert "Weaker Python sandbox" not in text
+    cfg["tools"] = {"python_isolation": "rlimits"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    header = report.write_report(out).read_text(encoding="utf-8").split("</header>")[0]
+    assert "Weaker Python sandbox" in header and "rlimits" in header
+
+
+def test_turn_sweep(tmp_path):
+    out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
+    assert "No turn-budget sweep in this run" in report.write_report(out).read_text(encoding="utf-8")
+    rows = results(out, 0)
+    sweep = {"budgets": [1, 2, 3], "planners": {}}
+    for label, right in (("frozen (step 0)", 0.3), ("trained (step 2)", 0.7)):
+        sweep["planners"][label] = {}
+        for b in (1, 2, 3):  # accuracy grows with the budget, more for the trained planner
+            graded = [{**r, "correct": k / len(rows) < right * b / 3} for k, r in enumerate(rows)]
+            sweep["planners"][label][str(b)] = summarize(graded)
+    (out / "turn_sweep.json").write_text(json.dumps(sweep))
+    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    assert "Test-time turn budget" in c.headings
+    plain = " ".join(c.text)
+    for label in sweep["planners"]:
+        assert label in plain
+    cells = [pct for pct in re.findall(r"(\d+\.\d)%", plain)]
+    for b in (1, 2, 3):
+        assert f"{100 * sweep['planners']['trained (step 2)'][str(b)]['accuracy']:.1f}" in cells
+        for kind in TASKS:
+            assert f"{100 * sweep['planners']['frozen (step 0)'][str(b)]['by_kind'][kind]['accuracy']:.1f}" in cells
+    assert sum(1 for h in c.headings if h.startswith("Accuracy by turn budget")) == 0  # figcaptions, not headings
+    assert plain.count("Accuracy by turn budget") == 1 + len(TASKS)
+
+
+def test_comparison_page(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    a = make_fake_run(runs, steps=3, groups=2, G=2, seed=0, name="seed0")
+    b = make_fake_run(runs, steps=3, groups=2, G=2, seed=1, name="seed1")
+    report.write_report(a)
+    assert report.main([str(a), str(b)]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == (runs / "compare_seed0_seed1.html").resolve() or path == runs / "compare_seed0_seed1.html"
+    text = path.read_text(encoding="utf-8")
+    c = check_html(text)
+    assert "Flow-GRPO runs compared: seed0 vs seed1" in text
+    plain = " ".join(c.text)
+    assert "config: seed" in plain  # the one config key that differs
+    assert 'href="seed0/report.html"' in text and "no report.html" in plain  # seed1 has none yet
+    # Curves overlaid: every chart drawn once, with both runs in it.
+    curves = text[text.index('id="curves"'):text.index('id="tool-shift"')]
+    assert len(re.findall(r"<svg", curves)) == N_CURVES
+    assert "seed0: reward mean" in curves and "seed1: reward mean" in curves
+    # Before/after side by side, and the items on which the runs differ.
+    flat = "".join(c.text)
+    for run in (a, b):
+        k = sum(r["correct"] for r in results(run, 3))
+        assert f"{k}/18 = {100 * k / 18:.1f}%" in flat
+    verdicts = [{r["id"]: (x["correct"], r["correct"]) for x, r in zip(results(run, 0), results(run, 3))}
+                for run in (a, b)]
+    differ = sum(verdicts[0][i] != verdicts[1][i] for i in verdicts[0])
+    assert f"Items on which the runs differ ({differ} of 18)" in plain
+    assert report.main([str(a), str(tmp_path / "nope")]) == 2
+    out = tmp_path / "here.html"
+    assert report.main([str(a), str(b), "--out", str(out)]) == 0 and out.exists()
+
+
+# ----------------------------------------------------------------------------------------
+# The page in a real browser: headless Chromium driven through chromedriver's W3C
+# WebDriver HTTP API with `requests` (no extra dependency). .ci/run installs Debian's
+# chromium and chromium-driver; without them the test is skipped and says why.
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  # without these it phones home and stalls on a closed network
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C key of an element reference
+
+
+class Browser:
+    def __init__(self, chromium: str, driver: str):
+        import requests
+        self.http = requests.Session()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.proc = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{port}"
+        for _ in range(200):  # chromedriver is up when /status says ready
+            try:
+                if self.http.get(self.base + "/status", timeout=5).json()["value"]["ready"]:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        self.profile = tempfile.mkdtemp(prefix="chromium-profile-")
+        options = {"binary": chromium, "args": CHROMIUM_FLAGS + [f"--user-data-dir={self.profile}",
+                                                                  "--window-size=1400,1000"]}
+        caps = {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options,
+                                                 "goog:loggingPrefs": {"browser": "ALL"}}}}
+        self.sid = self.call("POST", "/session", caps)["sessionId"]
+
+    def call(self, method: str, path: str, body=None):
+        r = self.http.request(method, self.base + path, json=body, timeout=60)
+        value = r.json()["value"]
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} {path}: {value}")
+        return value
+
+    def session(self, method: str, path: str, body=None):
+        return self.call(method, f"/session/{self.sid}{path}", body)
+
+    def open(self, path: Path):
+        self.session("POST", "/url", {"url": path.resolve().as_uri()})
+
+    def find_all(self, css: str) -> list[str]:
+        return [e[ELEMENT] for e in self.session("POST", "/elements", {"using": "css selector", "value": css})]
+
+    def text(self, css: str) -> str:
+        (e,) = self.find_all(css)
+        return self.session("GET", f"/element/{e}/text")
+
+    def choose(self, select_id: str, value: str):
+        """Click an option of a <select>, as a reader would (the browser fires 'change')."""
+        (e,) = self.find_all(f'#{select_id} option[value="{value}"]')
+        self.session("POST", f"/element/{e}/click", {})
+
+    def click(self, css: str):
+        (e,) = self.find_all(css)
+        self.session("POST", f"/element/{e}/click", {})
+
+    def js(self, script: str):
+        return self.session("POST", "/execute/sync", {"script": script, "args": []})
+
+    def console(self) -> list[dict]:
+        """Browser log entries since the last call (console messages, script errors)."""
+        return self.session("POST", "/se/log", {"type": "browser"})
+
+    def screenshot(self) -> bytes:
+        return base64.b64decode(self.session("GET", "/screenshot"))
+
+    def close(self):
+        try:
+            self.session("DELETE", "")
+        finally:
+            self.proc.terminate()
+            self.proc.wait()
+            shutil.rmtree(self.profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.skip("headless Chromium not installed: apt-get install chromium chromium-driver (.ci/run does)")
+    b = Browser(chromium, driver)
+    yield b
+    b.close()
+
+
+def test_report_in_a_browser(tmp_path, browser):
+    out = make_fake_run(tmp_path, steps=3, groups=3, G=2, hostile=True)
+    report.write_report(out)
+    moved = out.rename(tmp_path / "moved-run")  # the header must name the folder as it is now
+    browser.open(moved / "report.html")
+
+    # The log channel works (so "no errors" below means something), then the page loads clean.
+    browser.js('console.error("probe from the test")')
+    assert any("probe from the test" in e["message"] for e in browser.console())
+    browser.open(moved / "report.html")
+    assert browser.text("#run-dir").endswith("/moved-run")
+    assert browser.js("return document.title").startswith("Flow-GRPO run report: moved-run")
+    assert browser.js("return document.querySelectorAll('img').length") == 0  # the hostile text stayed text
+
+    # Held-out items: flipped ones first, then every item, then one kind, then one flag.
+    before, after = results(moved, 0), {r["id"]: r for r in results(moved, 3)}
+    change = {r["id"]: ("gained" if after[r["id"]]["correct"] and not r["correct"] else
+                        "lost" if r["correct"] and not after[r["id"]]["correct"] else "same") for r in before}
+    flipped = sorted(i for i, c in change.items() if c != "same")
+    shown = lambda: sorted(browser.js(  # noqa: E731
+        "return [...document.querySelectorAll('#item-list .item')].map(e => e.dataset.id)"))
+    assert shown() == flipped
+    counts = Counter(change.values())
+    assert browser.text("#item-status") == (f"showing {len(flipped)} of {len(before)} held-out items · "
+                                            f"{counts['gained']} wrong → right, {counts['lost']} right → wrong in view")
+    browser.choose("item-change", "all")
+    assert len(shown()) == len(before) and browser.text("#item-status").startswith(f"showing {len(before)} of")
+    browser.choose("item-kind", "lookup")
+    assert shown() == sorted(r["id"] for r in before if r["task"] == "lookup")
+    browser.choose("item-kind", "")
+    browser.choose("item-flag", "loose")
+    want = sorted(r["id"] for r in before if loose_in(r["trajectory"]) or loose_in(after[r["id"]]["trajectory"]))
+    assert 0 < len(want) < len(before) and shown() == want
+    assert "read as" in browser.text("#item-list")
+
+    # The trajectory browser: the latest step, then filters, then the step before.
+    rows = [json.loads(line) for line in (moved / "trajectories" / "step_3.jsonl").read_text().splitlines()]
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    count = lambda: browser.js("return document.querySelectorAll('#traj-groups .group').length")  # noqa: E731
+    assert count() == len(groups)
+    assert browser.text("#step-info").startswith(f"step 3: showing {len(groups)} of {len(groups)} query groups")
+    browser.choose("traj-reward", "signal")
+    mixed = [g for g in groups.values() if len({r["reward"] for r in g}) > 1]
+    assert count() == len(mixed)
+    assert browser.text("#step-info").startswith(f"step 3: showing {len(mixed)} of {len(groups)} query groups")
+    browser.choose("traj-reward", "")
+    browser.choose("traj-tool", "Local_Search")
+    with_tool = [g for g in groups.values() if any("Local_Search" in r["tools"] for r in g)]
+    assert count() == len(with_tool)
+    dimmed = sum(1 for g in with_tool for r in g if "Local_Search" not in r["tools"])
+    assert browser.js("return document.querySelectorAll('#traj-groups .rollout.dimmed').length") == dimmed
+    browser.choose("traj-tool", "")
+    browser.choose("traj-kind", rows[0]["task"])
+    assert count() == sum(1 for g in groups.values() if g[0]["task"] == rows[0]["task"])
+    browser.click("#prev-step")
+    assert browser.text("#step-info").startswith("step 2: showing")
+    # The filters stay in view while the list scrolls under them.
+    browser.choose("traj-kind", "")
+    top = browser.js("var c = document.getElementById('traj-controls'); var y = c.getBoundingClientRect().top + "
+                     "window.scrollY; window.scrollTo(0, y + 200); return [window.scrollY - y, "
+                     "c.getBoundingClientRect().top]")
+    assert top[0] == pytest.approx(200, abs=1) and abs(top[1]) < 1, top
+
+    errors = [e for e in browser.console() if e["level"] in ("SEVERE", "ERROR")]
+    assert not errors, errors
+
+
+def test_comparison_in_a_browser(tmp_path, browser):
+    runs = tmp_path / "runs"
+    a = make_fake_run(runs, steps=2, groups=1, G=2, seed=0, name="seed0")
+    b = make_fake_run(runs, steps=2, groups=1, G=2, seed=1, name="seed1")
+    page = report.write_comparison([a, b])
+    browser.console()
+    browser.open(page)
+    assert browser.text("#run-dir").endswith("/compare_seed0_seed1.html")
+    assert "seed0" in browser.text("#runs") and "seed1" in browser.text("#runs")
+    errors = [e for e in browser.console() if e["level"] in ("SEVERE", "ERROR")]
+    assert not errors, errors
