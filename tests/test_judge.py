@@ -451,3 +451,30 @@ def test_engine_generate_forces_a_verdict_on_the_local_engine(tiny_llm):
     j = Judge.from_config({"llm": True, "base_url": "", "model": "", "api_key_env": ""}, engine=tiny_llm)
     v = j.score_batch(ANSWERS, ITEMS)
     assert v[1]["judge"] == "rule" and v[0]["judge"] in ("llm", "rule")
+
+
+def test_eval_scores_through_the_configured_judge(server, tmp_path):
+    """eval.evaluate with an LLM judge on a loopback endpoint: each result row and the
+    summary say who decided (a stand-in agent, so no model is needed)."""
+    import eval as evaluation
+    from benchmarks import Item
+
+    class Traj:
+        def __init__(self, answer):
+            self.answer, self.memory = answer, type("M", (), {"records": []})()
+
+        def to_dict(self):
+            return {"answer": self.answer}
+
+    class Agent:
+        def rollout(self, questions, seed=0, max_turns=None):
+            return [Traj(a) for a in ANSWERS[:len(questions)]]
+
+    items = [Item(id=str(k), question=it.question, gold=it.gold, kind=it.kind, numbers=it.numbers)
+             for k, it in enumerate(ITEMS)]
+    judge = Judge.from_config({"llm": True, "base_url": server, "model": "yes", "api_key_env": ""})
+    summary = evaluation.evaluate(Agent(), items, tmp_path, batch_size=3, judge=judge)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["judge"] for r in rows] == ["llm", "rule", "rule"]
+    assert [r["correct"] for r in rows] == [True, True, False]
+    assert summary["judge"] == {"rule": 2, "llm": 1, "llm_failed": 0} and summary["accuracy"] == 2 / 3
