@@ -105,9 +105,9 @@ def clean(text: str) -> tuple[str, dict]:
     flags["degree"] = bool(n or m)
     # \text{or} / \text{and} separate alternatives; any other \text{...} is a word
     t = re.sub(r"\\text\s*\{\s*(or|and)\s*\}", r" \1 ", t)
-    # a trailing \text{ cm} (or several) is a unit
-    t = re.sub(r"(?:\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .\-/^0-9]*\})+\s*$", "", t) \
-        if re.search(r"[\d}]\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z]", t) else t
+    # a trailing \text{ cm} (or several) after a value is a unit
+    if re.search(r"[\d}]\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z]", t):
+        t = re.sub(r"(?:\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .\-/^0-9]*\})+\s*$", "", t)
     t = re.sub(_WRAPPERS, r" \1 ", t)
     t = t.strip()
     if t.endswith("."):
@@ -500,7 +500,8 @@ _OPEN, _CLOSE = "([{", ")]}"
 
 
 def _depth_scan(t: str):
-    """Yield (index, depth before the char) for every character outside \\{ \\} pairs too."""
+    """Yield (index, depth before it, bracket or char) along t; \\{ and \\} count as one
+    bracket each, like ( [ { and ) ] }."""
     depth, i = 0, 0
     while i < len(t):
         two = t[i:i + 2]
@@ -584,7 +585,7 @@ def structure(text: str, flags: dict):
     parts = split_top(t, (",", ";", "or", "and"))
     if len(parts) > 1 and not _wrapped(t, "([", ")]"):
         return ("set", [structure(p, flags) for p in parts])
-    if _wrapped(t, "\\", "}") and t.startswith("\\{") and t.endswith("\\}"):
+    if t.startswith("\\{") and t.endswith("\\}") and _wrapped(t, "\\", "}"):  # one \{ ... \} around it all
         inner = t[2:-2].strip()
         return ("set", [structure(p, flags) for p in split_top(inner, (",", ";"))] if inner else [])
     if _wrapped(t, "([", ")]"):
