@@ -2,16 +2,22 @@
 
 `load_config(path, overrides)` reads a YAML file, applies dotted `key=value` overrides
 (`train.lr=1e-5`, `out_dir=runs/x`), and checks the result against DEFAULTS: an unknown
-key, a value of the wrong type, or an impossible combination fails at once with the
-key's name and what is allowed. Every key the code reads is listed here, once.
+key, a value of the wrong type, an unknown tool or an impossible combination fails at
+once with the key's name and what is allowed. Every key the code reads is listed here,
+once. `preflight(cfg)` then checks what lies outside the file - data paths, the model
+name, API keys in the environment - so that train.py and eval.py fail in one line
+before any model is loaded (minutes at 7B), not with a traceback after.
 """
 
 import copy
+import difflib
+import os
+import re
 from pathlib import Path
 
 import yaml
 
-from tools import DEFAULT_TOOL_CFG
+from tools import DEFAULT_TOOL_CFG, TOOL_CLASSES
 
 DEFAULTS = {
     "seed": 0,  # one seed drives data order, sampling and initialisation
@@ -81,9 +87,11 @@ DEFAULTS = {
     },
     "judge": {
         "llm": False,  # also ask an LLM judge when the rules say wrong (off: rules only)
-        "base_url": "",  # OpenAI-compatible endpoint; empty = the local frozen model
-        "model": "",
-        "api_key_env": "OPENAI_API_KEY",
+        "base_url": "",  # OpenAI-compatible endpoint (vLLM, llama.cpp, a paid API); empty = the frozen policy
+        "model": "",  # the model name the endpoint serves
+        "api_key_env": "OPENAI_API_KEY",  # NAME of the variable holding the key; "" = send none (local server)
+        "timeout_s": 30.0,  # per request; a timeout is no verdict, i.e. the rule's (wrong)
+        "max_workers": 4,  # requests in flight at once
     },
 }
 
@@ -177,6 +185,83 @@ def _check_combinations(cfg: dict) -> None:
         raise ConfigError("agent.max_turns and eval.max_turns must be >= 1")
     if not a["tools"]:
         raise ConfigError("agent.tools must name at least one tool")
+    for name in a["tools"]:
+        if name not in TOOL_CLASSES:
+            near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}")
     if a["force_tool"] and a["force_tool"] not in a["tools"]:
         raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, which is not in agent.tools "
                           f"({', '.join(a['tools'])}); name one of those or leave it empty")
+
+
+# ----------------------------------------------------------------------------------------
+# Preflight: what the config points at, checked before anything heavy happens.
+
+# The hub's rules for a repo id: one optional owner, names of letters, digits, - _ .,
+# no "--" or "..", not starting or ending with - or ., at most 96 characters.
+_HUB_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_HUB_ID = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
+
+
+def check_model_name(key: str, name: str) -> None:
+    """A model name must be the offline default, an existing model folder, or a
+    plausible hub id (owner/name). A path that does not exist fails here, not after a
+    traceback of the hub's repo-id rules."""
+    from agentflow import DEFAULT_MODEL  # here: agentflow pulls in torch, and config must load without it
+
+    if name == DEFAULT_MODEL:
+        return
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ConfigError(f"{key}: {name} is a folder without config.json, so not a Hugging Face model; "
+                              f"point it at a checkpoint folder (e.g. runs/x/checkpoints/step_N)")
+        return
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name \
+        or (name.count("/") == 1 and Path(name.split("/")[0]).is_dir())
+    if looks_like_path or p.exists():
+        raise ConfigError(f"{key}: {name} is not a model folder (no such directory); "
+                          f"check the path, or give a hub id like Qwen/Qwen2.5-7B-Instruct")
+    if len(name) > 96 or not _HUB_ID.match(name):
+        raise ConfigError(f"{key}: {name!r} is neither a local folder nor a hub id (owner/name of letters, "
+                          f"digits, - _ . such as Qwen/Qwen2.5-7B-Instruct)")
+
+
+def _env_missing(names) -> list[str]:
+    return [n for n in names if n and not os.environ.get(n)]
+
+
+def preflight(cfg: dict, data: bool = True, model_paths: tuple[str, ...] = ()) -> None:
+    """Fail in one line, with the fix, on a missing data or corpus file, a model name that
+    is neither a folder nor a hub id, or an API key a configured tool or judge needs but
+    the environment lacks. data=False skips data.* (eval.py reads --benchmark instead);
+    model_paths are further models to check (eval.py --model)."""
+    if data:
+        for split in ("train", "heldout"):
+            path = cfg["data"][split]
+            if not Path(path).is_file():
+                raise ConfigError(f"data.{split}: {path} not found; build the paper's mix with "
+                                  f"`python prepare_data.py train`, the offline suite with `python tasks.py`, "
+                                  f"or set data.{split}=PATH to a JSONL file")
+    tools = cfg["agent"]["tools"]
+    if "Local_Search" in tools and not Path(cfg["tools"]["corpus"]).is_file():
+        raise ConfigError(f"tools.corpus: {cfg['tools']['corpus']} not found (Local_Search reads it); "
+                          f"regenerate it with `python tasks.py` or set tools.corpus=PATH")
+    check_model_name("model.name", cfg["model"]["name"])
+    for p in model_paths:
+        check_model_name("--model", p)
+    for name in tools:
+        missing = _env_missing(getattr(TOOL_CLASSES.get(name), "required_env", ()))
+        if missing:
+            raise ConfigError(f"agent.tools: {name} needs {' and '.join(missing)} in the environment; "
+                              f"export {missing[0]}=..., or drop {name} from agent.tools")
+    j = cfg["judge"]
+    if j["llm"] and j["base_url"]:
+        if not re.match(r"^https?://", j["base_url"]):
+            raise ConfigError(f"judge.base_url must start with http:// or https://, got {j['base_url']!r}")
+        if not j["model"]:
+            raise ConfigError("judge.model is empty; name the model the endpoint at judge.base_url serves")
+        if _env_missing([j["api_key_env"]]):
+            raise ConfigError(f"judge.api_key_env: {j['api_key_env']} is not set in the environment; export it, "
+                              f"or set judge.api_key_env='' for a server that needs no key")

@@ -6,7 +6,9 @@
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
 analyses of tool usage and tool-call errors. Differences from the official code: an
 item that crashes counts as wrong, with the reason recorded (the official code drops
-crashed problems from the denominator), and scoring is rule-based first (judge.py).
+crashed problems from the denominator), and scoring is rule-based first, with an LLM
+judge for what the rules reject when the config's judge.llm is on (judge.py); each
+result row says which judge decided.
 
 Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
 tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
@@ -25,11 +27,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks import Item, load_benchmark, read_jsonl
-from judge import score_item
+from judge import Judge, judge_counts
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
-             seed: int = 0, planner_temperature: float | None = None, desc: str = "eval") -> dict:
+             seed: int = 0, planner_temperature: float | None = None, desc: str = "eval",
+             judge: Judge | None = None) -> dict:
     """Run `agent` (an agentflow.AgentSystem) on `items` in lockstep batches; write and
     return the summary. Every batch is appended to results.jsonl as soon as it is done.
 
@@ -49,7 +52,7 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
             # Seeded by the item's place in the file, so a resumed run samples what the
             # uninterrupted one would have.
             batch = [it for _, it in todo[start:start + batch_size]]
-            rows = _run_batch(agent, batch, max_turns, seed + todo[start][0])
+            rows = _run_batch(agent, batch, max_turns, seed + todo[start][0], judge or Judge())
             with open(results_path, "a") as f:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
@@ -60,20 +63,18 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
     return summary
 
 
-def _run_batch(agent, batch: list[Item], max_turns: int, seed: int) -> list[dict]:
+def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge) -> list[dict]:
     try:
         trajs = agent.rollout([it.question for it in batch], seed=seed, max_turns=max_turns)
     except Exception as e:  # a crash costs the batch, not the run; each item says why
         return [_row(it, None, {"correct": False, "f1": 0.0, "extracted": ""},
                      f"crashed: {type(e).__name__}: {e}") for it in batch]
-    rows = []
-    for it, tr in zip(batch, trajs):
-        try:
-            verdict, crash = score_item(tr.answer, it.gold, it.kind, it.options, it.numbers), ""
-        except Exception as e:
-            verdict, crash = {"correct": False, "f1": 0.0, "extracted": ""}, f"judge crashed: {e}"
-        rows.append(_row(it, tr, verdict, crash))
-    return rows
+    try:
+        verdicts, crash = judge.score_batch([tr.answer for tr in trajs], batch), ""
+    except Exception as e:  # a judge bug costs the batch's verdicts (all wrong), not the run
+        verdicts = [{"correct": False, "f1": 0.0, "extracted": ""} for _ in batch]
+        crash = f"judge crashed: {type(e).__name__}: {e}"
+    return [_row(it, tr, v, crash) for it, tr, v in zip(batch, trajs, verdicts)]
 
 
 def _row(item: Item, traj, verdict: dict, crash: str) -> dict:
@@ -81,6 +82,7 @@ def _row(item: Item, traj, verdict: dict, crash: str) -> dict:
     return {"id": item.id, "question": item.question, "gold": item.gold, "kind": item.kind,
             "task": item.meta.get("task", ""), "answer": traj.answer if traj else "",
             "extracted": verdict["extracted"], "correct": bool(verdict["correct"]), "f1": verdict["f1"],
+            "judge": verdict.get("judge", "rule"), "judge_error": verdict.get("judge_error", ""),
             "turns": len(records), "tools": [r.tool for r in records if r.tool],
             "tool_calls": sum(1 for r in records if r.tool),
             "tool_errors": sum(1 for r in records if r.tool and r.error),
@@ -101,6 +103,7 @@ def summarize(rows: list[dict]) -> dict:
                 "tool_error_rate": sum(r["tool_errors"] for r in rs) / n_calls if n_calls else 0.0,
                 "crashed": sum(1 for r in rs if any(e.startswith(("crashed", "judge crashed")) for e in r["errors"]))}
     summary = block(rows)
+    summary["judge"] = judge_counts(rows)  # who decided: rules, the LLM, LLM calls with no verdict
     tasks = sorted({r.get("task") or "" for r in rows} - {""})
     if tasks:
         summary["by_kind"] = {t: block([r for r in rows if r.get("task") == t]) for t in tasks}
@@ -125,7 +128,7 @@ def build_agent(cfg: dict, model_path: str | None = None):
 
 
 def main(argv=None) -> int:
-    from config import ConfigError, load_config
+    from config import ConfigError, load_config, preflight
 
     ap = argparse.ArgumentParser(description="Run the AgentFlow agent on a benchmark file and score it.")
     ap.add_argument("--benchmark", required=True, help="a JSON benchmark file or a JSONL task file")
@@ -142,16 +145,18 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides + ([f"agent.force_tool={args.force_tool}"]
                                                          if args.force_tool else []))
+        preflight(cfg, data=False, model_paths=(args.model,) if args.model else ())
         items = load_benchmark(args.benchmark, limit=args.limit or None)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
     agent = build_agent(cfg, args.model)
+    judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     t0 = time.time()
     summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],
                        max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"],
-                       planner_temperature=cfg["eval"]["planner_temperature"])
+                       planner_temperature=cfg["eval"]["planner_temperature"], judge=judge)
     print(json.dumps(summary, indent=2))
     print(f"accuracy {summary['accuracy']:.3f} on {summary['n']} items in {time.time() - t0:.0f}s; "
           f"results in {out}/results.jsonl")

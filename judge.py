@@ -6,25 +6,35 @@ asks a GPT-4o judge whether the Solution Generator's answer o is semantically,
 numerically or option-wise equivalent to the gold answer y*. We do it by rules
 first, per answer kind:
 
-    text    normalised exact match (SQuAD style) against any gold alias; token F1
-            is reported too, as partial credit for tables, never as the reward
+    text    normalised exact match (SQuAD style) against any gold alias; a date
+            matches the same date written another way ("5 January 1964" ==
+            "January 5, 1964"); token F1 is reported too, as partial credit for
+            tables, never as the reward
     number  exact rational equality (Fraction), with a 1e-6 relative tolerance
-            only when a decimal point is involved
+            only when a decimal point is involved; a gold or answer that is not
+            a plain number goes to the math rule
+    math    LaTeX math answers (DeepMath, AIME, AMC): expressions with \\sqrt,
+            \\pi, \\frac, powers, functions and variables, intervals, tuples, sets,
+            matrices, degrees, percentages, scientific notation (math_answer.py
+            says how, and which cases it cannot score)
     choice  the option letter or the option text, whichever the model wrote
     game24  a safe parser checks that the expression uses each given number
             exactly once and makes exactly 24 (any valid expression counts, not
             only the reference one)
 
-An LLM judge (an OpenAI-compatible endpoint or the project's own engine) is an
-option, off by default. Anything that goes wrong - no answer found, an
-unparseable expression, an HTTP error, a reply that is neither yes nor no -
-counts as wrong, never as a crash: the official code drops crashed problems from
-the accuracy denominator, which flatters the score.
+What the rules cannot score - paraphrase ("JFK" is not "John F. Kennedy"),
+answers in words for math ("all real numbers"), algebra that renames variables,
+mixed numbers other than "2 1/2", dates as "04/15/18" - the LLM judge can take:
+an OpenAI-compatible endpoint or the frozen copy of the policy, off by default
+(config judge.*), asked only when the rules said wrong (never for game24, where
+the rule is exact). `Judge` is that configured pair; each verdict says which of
+the two decided ("rule" or "llm").
 
-Simplifications against a GPT-4o judge: no paraphrase understanding in the rule
-path ("JFK" is not "John F. Kennedy"), LaTeX is understood only as far as simple
-numbers go (\\frac, \\dfrac, \\text{...}, $...$; not \\sqrt or \\pi), and mixed
-numbers only in the plain "2 1/2" form.
+Anything that goes wrong - no answer found, an unparseable expression, an HTTP
+error, a timeout, a reply that is neither yes nor no - counts as wrong, never as a
+crash and never as right: a failed LLM verdict leaves the rule's verdict (wrong,
+reward 0) and is counted as a judge failure in the metrics. The official code
+drops crashed problems from the accuracy denominator, which flatters the score.
 """
 
 import ast
@@ -35,13 +45,16 @@ import re
 import string
 import unicodedata
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import requests
 
+import math_answer
+
 log = logging.getLogger(__name__)
 
-KINDS = ("text", "number", "choice", "game24")
+KINDS = ("text", "number", "math", "choice", "game24")
 
 
 # --- finding the answer in the generator's raw text ---------------------------
@@ -253,6 +266,56 @@ def _number_match(pred_text: str, gold_text: str) -> bool:
     if "." in pred_text or "." in str(gold_text):
         return any(abs(a - b) <= Fraction(1, 10**6) * max(abs(a), abs(b)) for a in preds for b in golds)
     return False
+
+
+def _math_match(pred_text: str, gold_text: str) -> bool:
+    """Two plain numbers by the number rule (exact, thousands commas, units, percent);
+    anything else by math_answer (expressions, intervals, sets, ...)."""
+    pb, gb = _last_boxed(pred_text), _last_boxed(str(gold_text))
+    pred_text = pb if pb is not None else pred_text
+    gold_text = gb if gb is not None else str(gold_text)
+    if parse_number(pred_text) is not None and parse_number(gold_text) is not None:
+        return _number_match(pred_text, gold_text)
+    return math_answer.equivalent(pred_text, gold_text)
+
+
+def _wordy(s: str) -> bool:
+    """Only words: no digits, no operators once LaTeX wrappers are gone."""
+    t = math_answer.clean(s)[0]
+    return bool(re.fullmatch(r"[A-Za-z][A-Za-z .,'-]*", t))
+
+
+# --- dates -------------------------------------------------------------------------
+
+_MONTHS = {m: i + 1 for i, m in enumerate(("january", "february", "march", "april", "may", "june", "july",
+                                             "august", "september", "october", "november", "december"))}
+_MONTHS.update({m[:3]: i for m, i in list(_MONTHS.items())})
+_MONTHS["sept"] = 9
+_MONTH = r"(" + "|".join(sorted(_MONTHS, key=len, reverse=True)) + r")\.?"
+_DAY = r"(\d{1,2})(?:st|nd|rd|th)?"
+_DATE_FORMS = (
+    (re.compile(rf"{_DAY} {_MONTH},? (\d{{1,4}})"), ("d", "m", "y")),    # 5 January 1964
+    (re.compile(rf"{_MONTH} {_DAY},? (\d{{1,4}})"), ("m", "d", "y")),    # January 5, 1964
+    (re.compile(rf"{_MONTH},? (\d{{3,4}})"), ("m", "y")),                # June 1941
+    (re.compile(r"(\d{4})-(\d{1,2})-(\d{1,2})"), ("y", "m", "d")),     # 1964-01-05
+)
+
+
+def date_key(s: str) -> tuple | None:
+    """(year, month, day or None) when the whole string is one date, else None. Numeric
+    forms other than ISO ("04/05/18") are left alone: day and month order is ambiguous."""
+    t = " ".join(str(s).lower().replace(",", " , ").replace(" ,", ",").split()).strip(" .")
+    t = re.sub(r"^(?:on|the) ", "", t)
+    for pattern, order in _DATE_FORMS:
+        m = pattern.fullmatch(t)
+        if m:
+            got = dict(zip(order, m.groups()))
+            month = _MONTHS[got["m"]] if not got["m"].isdigit() else int(got["m"])
+            day = int(got["d"]) if "d" in got else None
+            if not 1 <= month <= 12 or day is not None and not 1 <= day <= 31:
+                return None
+            return (int(got["y"]), month, day)
+    return None
 
 
 # --- game of 24 --------------------------------------------------------------------
@@ -502,11 +565,11 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
         ok = any(normalize_text(ext) == normalize_text(g) for g in golds) if not opts else False
         return result(ok, 0.0)
 
-    if kind == "number":
-        if any(_number_match(ext, g) for g in golds):
+    if kind in ("number", "math"):
+        if any(_math_match(ext, g) for g in golds):
             return result(True, 1.0)
-        # a gold that is not a number after all ("2\sqrt{3}"): fall back to text equality
-        ok = any(parse_number(g) is None and normalize_text(ext) == normalize_text(g) for g in golds)
+        # words ("Yes", "\text{diverges}"): compare them as text
+        ok = any(_wordy(ext) and _wordy(g) and normalize_text(ext) == normalize_text(g) for g in golds)
         return result(ok, 0.0)
 
     # text: the extracted answer, and also the whole response (a bare one-line
@@ -522,6 +585,8 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
             ok = True  # "Yes, both are American." answers a yes/no question
         elif pred_num is not None and pred_num == parse_number(g, allow_units=False):
             ok = True  # "22.0" vs "22": a number inside a text dataset
+        elif date_key(g) is not None and date_key(g) == date_key(ext):
+            ok = True  # "5 January 1964" vs "January 5, 1964"
     f1 = max(token_f1(ext, g) for g in golds)
     return result(ok, f1)
 
@@ -545,21 +610,25 @@ Response: {prediction}
 Is the response equivalent to the gold answer (same entity, same value, or same option;
 ignore formatting and wording)? Reply with one word: yes or no."""
 
+JUDGE_SYSTEM = "You grade answers. You reply with one word: yes or no."
+
 
 class LLMJudge:
     """Asks an LLM whether a response is equivalent to the gold answer.
 
     Backends: an OpenAI-compatible chat endpoint (base_url like
     "http://host:8000/v1", model, and the NAME of an environment variable holding
-    the API key, so keys never sit in configs), or a local callable
-    generate(prompts: list[str]) -> list[str], e.g. the project's own engine.
-    Every failure returns False and records why in self.last_reason (and the log):
-    a judge that cannot answer must not turn into a reward of 1, nor a crash.
+    the API key, so keys never sit in configs; an empty name sends no key, for a
+    local server), or a local callable generate(prompts: list[str]) -> list[str],
+    e.g. the project's own engine (engine_generate).
+    Every failure is "no verdict": judge() and judge_batch() return False for it and
+    record why in self.last_reason (and the log); verdicts() returns None with the
+    reason. A judge that cannot answer must not turn into a reward of 1, nor a crash.
     """
 
     def __init__(self, base_url: str | None = None, model: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", generate=None, timeout: float = 30.0,
-                 max_chars: int = 2000):
+                 max_chars: int = 2000, max_workers: int = 4):
         if generate is None and not (base_url and model):
             raise ValueError("LLMJudge needs either generate=callable or base_url and model")
         self.base_url = base_url.rstrip("/") if base_url else None
@@ -568,6 +637,7 @@ class LLMJudge:
         self.generate = generate
         self.timeout = timeout
         self.max_chars = max_chars  # long responses are cut: the judge needs the answer, not the essay
+        self.max_workers = max(1, int(max_workers))  # requests in flight at once (endpoint only)
         self.last_reason = ""
 
     def prompt(self, question: str, prediction: str, gold) -> str:
@@ -575,23 +645,18 @@ class LLMJudge:
         return JUDGE_PROMPT.format(question=str(question)[: self.max_chars], gold=gold_text,
                                    prediction=extract_answer(prediction)[: self.max_chars])
 
-    def _fail(self, reason: str) -> bool:
-        self.last_reason = reason
-        log.warning("LLM judge counted as wrong: %s", reason)
-        return False
-
-    def _verdict(self, reply) -> bool:
+    @staticmethod
+    def _parse(reply) -> tuple[bool | None, str]:
         if not isinstance(reply, str):
-            return self._fail(f"reply is not text: {reply!r:.100}")
+            return None, f"reply is not text: {reply!r:.100}"
         words = re.findall(r"[a-z]+", reply.lower())
         says = {w for w in words if w in ("yes", "no")}
         if len(says) == 1:  # "Yes." or "The answer is: no"; both words at once is no verdict
             verdict = says.pop()
-            self.last_reason = f"judge said {verdict}"
-            return verdict == "yes"
-        return self._fail(f"unparseable reply {reply[:100]!r}")
+            return verdict == "yes", f"judge said {verdict}"
+        return None, f"unparseable reply {reply[:100]!r}"
 
-    def _chat(self, prompt: str) -> bool:
+    def _chat(self, prompt: str) -> tuple[bool | None, str]:
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
         if key:
@@ -602,40 +667,139 @@ class LLMJudge:
             r = requests.post(f"{self.base_url}/chat/completions", headers=headers,
                               data=json.dumps(body), timeout=self.timeout)
         except requests.RequestException as e:
-            return self._fail(f"request failed: {type(e).__name__}: {e}")
+            return None, f"request failed: {type(e).__name__}: {e}"
         if r.status_code != 200:
-            return self._fail(f"HTTP {r.status_code}: {r.text[:200]!r}")
+            return None, f"HTTP {r.status_code}: {r.text[:200]!r}"
         try:
             reply = r.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            return self._fail(f"malformed response ({type(e).__name__}): {r.text[:200]!r}")
-        return self._verdict(reply)
+            return None, f"malformed response ({type(e).__name__}): {r.text[:200]!r}"
+        return self._parse(reply)
+
+    def verdicts(self, items: list[tuple]) -> list[tuple[bool | None, str]]:
+        """(verdict, reason) for many (question, prediction, gold); verdict None = the
+        judge gave none. One generate() call for the local engine (it batches), one
+        request each for an endpoint, max_workers of them in flight."""
+        prompts = [self.prompt(q, p, g) for q, p, g in items]
+        if not prompts:
+            return []
+        if self.generate is None:
+            with ThreadPoolExecutor(max_workers=min(self.max_workers, len(prompts))) as pool:
+                out = list(pool.map(self._chat, prompts))
+        else:
+            try:
+                replies = self.generate(prompts)
+            except Exception as e:  # the engine's failure is a wrong answer, not a dead training run
+                replies, why = None, f"generate raised {type(e).__name__}: {e}"
+            else:
+                why = "generate returned the wrong number of replies"
+            if not isinstance(replies, (list, tuple)) or len(replies) != len(prompts):
+                out = [(None, why)] * len(prompts)
+            else:
+                out = [self._parse(r) for r in replies]
+        for verdict, reason in out:
+            self.last_reason = reason
+            if verdict is None:
+                log.warning("LLM judge gave no verdict (counted as wrong): %s", reason)
+        return out
 
     def judge(self, question: str, prediction: str, gold) -> bool:
         return self.judge_batch([(question, prediction, gold)])[0]
 
     def judge_batch(self, items: list[tuple]) -> list[bool]:
-        """Many (question, prediction, gold) at once: one generate() call for the
-        local engine (it batches), one request each for an endpoint."""
-        prompts = [self.prompt(q, p, g) for q, p, g in items]
-        if self.generate is None:
-            return [self._chat(p) for p in prompts]
-        try:
-            replies = self.generate(prompts)
-        except Exception as e:  # the engine's failure is a wrong answer, not a dead training run
-            return [self._fail(f"generate raised {type(e).__name__}: {e}") for _ in prompts]
-        if not isinstance(replies, (list, tuple)) or len(replies) != len(prompts):
-            return [self._fail("generate returned the wrong number of replies") for _ in prompts]
-        return [self._verdict(r) for r in replies]
+        """True / False per (question, prediction, gold); no verdict is False."""
+        return [bool(v) for v, _ in self.verdicts(items)]
 
     def score(self, question: str, prediction: str, gold, kind: str,
               options: list[str] | None = None) -> dict:
-        """Rules first; the LLM only gets a say when the rules said wrong, and never
-        for game24, where the rule is exact. Adds "judge": "rule" or "llm"."""
-        res = dict(score(prediction, gold, kind, options))
-        res["judge"] = "rule"
-        if res["correct"] or kind == "game24":
-            return res
-        if self.judge(question, prediction, gold):
-            res.update(correct=True, f1=1.0, judge="llm")
-        return res
+        """Rules first, then this LLM (see Judge); adds "judge" and "judge_error"."""
+        return Judge(self).score_batch([prediction], [_Row(question, gold, kind, options)])[0]
+
+
+class _Row:
+    """The fields of a benchmarks.Item that the judge reads (no import of benchmarks:
+    benchmarks imports judge)."""
+
+    def __init__(self, question, gold, kind, options=None, numbers=None):
+        self.question, self.gold, self.kind, self.options, self.numbers = question, gold, kind, options, numbers
+
+
+class Judge:
+    """R(o, q, y*) as the config's judge section says: the rules, and with judge.llm an
+    LLM for what the rules call wrong (never game24, where the rule is exact).
+
+    Every verdict is score_item's dict plus "judge": who decided, "rule" (the rules
+    said right, or were the only judge, or the LLM gave no verdict) or "llm" (the LLM
+    said yes or no), and "judge_error": why the LLM gave no verdict ("" otherwise). A
+    failed LLM call therefore leaves the rule's verdict, wrong: reward 0, never 1.
+    """
+
+    def __init__(self, llm: LLMJudge | None = None):
+        self.llm = llm
+
+    @classmethod
+    def from_config(cls, jcfg: dict, engine=None) -> "Judge":
+        """From config judge.*: off -> rules only; base_url -> that endpoint; an empty
+        base_url -> `engine` (an agentflow.LLM, the frozen copy of the policy)."""
+        if not jcfg.get("llm"):
+            return cls(None)
+        timeout, workers = float(jcfg.get("timeout_s", 30.0)), int(jcfg.get("max_workers", 4))
+        if jcfg.get("base_url"):
+            return cls(LLMJudge(base_url=jcfg["base_url"], model=jcfg["model"], api_key_env=jcfg["api_key_env"],
+                                timeout=timeout, max_workers=workers))
+        if engine is None:
+            raise ValueError("judge.llm with an empty judge.base_url judges with the frozen policy, "
+                             "but no engine was given")
+        return cls(LLMJudge(generate=engine_generate(engine)))
+
+    def score_batch(self, answers: list[str], items: list) -> list[dict]:
+        """Verdicts for answers[k] on items[k] (anything with question, gold, kind, options,
+        numbers: a benchmarks.Item). The LLM sees all that the rules rejected at once."""
+        out = []
+        for answer, it in zip(answers, items):
+            v = dict(score_item(answer, it.gold, it.kind, it.options, it.numbers))
+            v.update(judge="rule", judge_error="")
+            out.append(v)
+        if self.llm is None:
+            return out
+        ask = [k for k, v in enumerate(out) if not v["correct"] and items[k].kind != "game24"]
+        got = self.llm.verdicts([(items[k].question, answers[k], items[k].gold) for k in ask])
+        for k, (verdict, reason) in zip(ask, got):
+            if verdict is None:
+                out[k]["judge_error"] = reason
+            else:
+                out[k]["judge"] = "llm"
+                if verdict:
+                    out[k].update(correct=True, f1=1.0)
+        return out
+
+
+def judge_counts(verdicts: list[dict]) -> dict:
+    """How many verdicts each judge decided, and how many LLM calls gave no verdict
+    (for metrics.jsonl and summary.json)."""
+    return {"rule": sum(v.get("judge", "rule") == "rule" for v in verdicts),
+            "llm": sum(v.get("judge") == "llm" for v in verdicts),
+            "llm_failed": sum(bool(v.get("judge_error")) for v in verdicts)}
+
+
+def engine_generate(llm, batch_size: int = 32):
+    """generate(prompts) -> replies with the project's own engine (an agentflow.LLM),
+    greedy. The verdict is one forced token, as the verifier's is: the likelier of the
+    first tokens of "yes" and "no" (any casing), read back as the word. A 7B model
+    nearly always complies anyway; a small one would otherwise ramble into "no verdict"."""
+    from agentflow import SamplingParams  # here, not at the top: agentflow is above judge
+
+    says = {}
+    for word in ("no", "No", "NO", "yes", "Yes", "YES"):
+        ids = llm.tok.encode(word, add_special_tokens=False)
+        if ids:
+            says[ids[0]] = word.lower()
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, first_tokens=tuple(sorted(says)))
+
+    def generate(prompts: list[str]) -> list[str]:
+        replies = []
+        for s in range(0, len(prompts), batch_size):  # bounded memory for long prompts at 7B
+            ids = [llm.chat_ids(JUDGE_SYSTEM, p) for p in prompts[s:s + batch_size]]
+            replies += [says.get(out.ids[0], "") if out.ids else "" for out in llm.sample(ids, params, seed=0)]
+        return replies
+    return generate

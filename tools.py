@@ -102,6 +102,7 @@ class Tool:
     # The executor's worked example: (question, sub-goal, input written after the prefix).
     example: tuple[str, str, str] | None = None
     aliases: tuple[str, ...] = ()  # lower-case words that name this tool in a planner's reply
+    required_env: tuple[str, ...] = ()  # environment variables it cannot run without (config.preflight)
 
     def __init__(self, cfg: dict | None = None):
         self.cfg = {**DEFAULT_TOOL_CFG, **(cfg or {})}
@@ -542,6 +543,7 @@ class GoogleSearch(Tool):
     input_prefix, input_stops = "Query:", ("\n",)
     example = ("Who won the 2018 World Cup?", "find the 2018 winner", " 2018 World Cup winner")
     aliases = ("google",)
+    required_env = ("GOOGLE_API_KEY", "GOOGLE_CSE_ID")
 
     def _run(self, command):
         query = command.strip()

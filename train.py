@@ -41,10 +41,10 @@ from tqdm import tqdm
 
 from agentflow import LLM, AgentSystem, agent_config, load_model
 from benchmarks import load_benchmark
-from config import ConfigError, load_config
+from config import ConfigError, load_config, preflight
 from eval import evaluate
 from flow_grpo import LossConfig, build_rows, group_advantages, policy_update, zero_variance_groups
-from judge import score_item
+from judge import Judge, judge_counts
 from report import record_run, write_report
 from tools import build_tools
 
@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         cfg = load_config(argv[0], argv[1:])
+        preflight(cfg)  # paths, model name, API keys: before minutes of model loading
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -84,6 +85,7 @@ def run(cfg: dict) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warm))
     agent = AgentSystem(LLM(model, tok), LLM(ref, tok), build_tools(cfg["agent"]["tools"], cfg["tools"]),
                         agent_config(cfg["agent"]))
+    judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=cfg["eval"]["limit"] or None)
 
@@ -95,12 +97,12 @@ def run(cfg: dict) -> dict:
     def held_out_eval(step: int) -> dict:
         return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
                         max_turns=e["max_turns"], seed=e["seed"], planner_temperature=e["planner_temperature"],
-                        desc=f"held-out eval @ step {step}")
+                        desc=f"held-out eval @ step {step}", judge=judge)
 
     before = held_out_eval(0) if t["eval_before_after"] else None
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step")
     for step in bar:
-        metrics = train_step(cfg, step, agent, model, ref, optimizer, scheduler, train_items, tok, out)
+        metrics = train_step(cfg, step, agent, model, ref, optimizer, scheduler, train_items, tok, out, judge)
         if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
         with open(out / "metrics.jsonl", "a") as f:
@@ -132,7 +134,7 @@ def refresh_report(out: Path):
         return None
 
 
-def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out) -> dict:
+def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out, judge=None) -> dict:
     """One Flow-GRPO step: draw -> rollout -> judge -> advantage -> update."""
     t, G = cfg["train"], cfg["train"]["group_size"]
     queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"])
@@ -143,10 +145,10 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     trajs = agent.rollout([it.question for it in queries for _ in range(G)], seed=seed)
     t1 = time.time()
 
-    # 3. Judge: R_i in {0, 1} from the final answer alone.
-    for k, tr in enumerate(trajs):
-        it = queries[k // G]
-        tr.reward = float(score_item(tr.answer, it.gold, it.kind, it.options, it.numbers)["correct"])
+    # 3. Judge: R_i in {0, 1} from the final answer alone. A judge that fails gives 0, never 1.
+    verdicts = (judge or Judge()).score_batch([tr.answer for tr in trajs], [queries[k // G] for k in range(len(trajs))])
+    for tr, v in zip(trajs, verdicts):
+        tr.reward = float(v["correct"])
     rewards = [tr.reward for tr in trajs]
     t2 = time.time()
 
@@ -168,7 +170,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
         for k, tr in enumerate(trajs):
             f.write(json.dumps({"group": k // G, "task": queries[k // G].meta.get("task", ""),
-                                "gold": queries[k // G].gold, **tr.to_dict()}) + "\n")
+                                "gold": queries[k // G].gold, "judge": verdicts[k]["judge"], **tr.to_dict()}) + "\n")
     tool_calls = Counter(tool for tr in trajs for tool in tr.tools_used)
     n_calls = sum(tool_calls.values())
     return {"step": step + 1, "reward_mean": sum(rewards) / len(rewards),
@@ -178,7 +180,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
             "tool_shares": {k: v / n_calls for k, v in sorted(tool_calls.items())},
             "top_tool": tool_calls.most_common(1)[0][0] if tool_calls else "-",
             "tool_error_rate": sum(tr.tool_errors for tr in trajs) / n_calls if n_calls else 0.0,
-            **upd, "lr": scheduler.get_last_lr()[0],
+            "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0],
             "time_rollout": t1 - t0, "time_judge": t2 - t1, "time_update": t3 - t2}
 
 

@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from judge import (KINDS, LLMJudge, check_game24, extract_answer, gold_aliases,  # noqa: E402
-                   normalize_text, parse_number, score, token_f1)
+from judge import (KINDS, Judge, LLMJudge, check_game24, date_key, engine_generate, extract_answer,  # noqa: E402
+                   gold_aliases, judge_counts, normalize_text, parse_number, score, score_item, token_f1)
 
 MEDQA_OPTIONS = ["A. Hemolytic uremic syndrome", "B. Oral ulcers", "C. Colorectal cancer", "D. Pancreatic cancer"]
 
@@ -135,6 +135,47 @@ def test_number_kind():
     assert correct(r"<answer>2\sqrt{3}</answer>", r"2\sqrt{3}", "number")  # a non-number gold: text fallback
     assert score("<answer>1/2</answer>", "0.5", "number")["f1"] == 1.0
     assert score("<answer>2</answer>", "0.5", "number")["f1"] == 0.0
+
+
+def test_math_kind_on_deepmath_style_answers():
+    # the same answer in the model's words and the gold's
+    for pred, gold in [(r"\boxed{\dfrac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}"), (r"$(-\infty, 1]$", r"(-\infty,1]"),
+                       (r"The answer is \boxed{\{1,2\}}", r"\{2, 1\}"), ("Answer: 1,000", "1000"),
+                       (r"<answer>e^{-2}</answer>", r"\frac{1}{e^2}"), (r"\boxed{\text{Yes}}", "Yes"),
+                       (r"\boxed{x = 3}", "3"), (r"\boxed{90^\circ}", r"\frac{\pi}{2}")]:
+        assert correct(pred, gold, "math"), (pred, gold)
+    for pred, gold in [(r"\boxed{\frac{\sqrt3}{3}}", r"\frac{\sqrt3}{2}"), (r"\boxed{(-\infty, 1)}", r"(-\infty,1]"),
+                       (r"\boxed{\text{No}}", "Yes"), ("I think 3 or 4", "3"), ("", "3")]:
+        assert not correct(pred, gold, "math"), (pred, gold)
+
+
+def test_number_kind_hands_non_plain_numbers_to_the_math_rule():
+    assert correct(r"<answer>\sqrt{1089}</answer>", "33", "number")
+    assert correct(r"<answer>\sqrt{12}</answer>", r"2\sqrt{3}", "number")
+    assert not correct("<answer>33.001</answer>", "33", "number")  # two plain numbers: the number rule decides
+
+
+def test_dates_in_text_answers():
+    assert date_key("5 January 1964") == date_key("January 5, 1964") == date_key("1964-01-05") == (1964, 1, 5)
+    assert date_key("June 1941") == (1941, 6, None) and date_key("Sept. 3rd, 1939") == (1939, 9, 3)
+    assert date_key("04/15/18") is None and date_key("323 BC") is None and date_key("May 2018 and 2019") is None
+    assert correct("<answer>January 5, 1964</answer>", "5 January 1964", "text")
+    assert correct("<answer>on 30 June 2011</answer>", "['30 June 2011']", "text")
+    assert not correct("<answer>January 6, 1964</answer>", "5 January 1964", "text")
+    assert not correct("<answer>January 1964</answer>", "5 January 1964", "text")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT.parent / "shared" / "benchmarks").glob("*.json")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_gold_scores_itself(path):
+    """Each benchmark's gold, written back as the model's answer, earns reward 1
+    (through the same loader and score_item the training uses)."""
+    from benchmarks import load_benchmark
+    for it in load_benchmark(str(path)):
+        if it.kind == "game24":
+            continue  # the reference expression is checked in the game24 tests
+        answer = f"<answer>{it.gold[0]}</answer>"
+        assert score_item(answer, it.gold, it.kind, it.options, it.numbers)["correct"], (it.id, it.gold)
 
 
 # --- multiple choice -------------------------------------------------------------------
@@ -347,3 +388,93 @@ def test_llm_judge_score_consults_llm_only_when_rules_fail():
     assert res["correct"] and res["judge"] == "llm" and len(asked) == 1
     # game24 is checked exactly; an agreeable LLM cannot rescue a wrong expression
     assert not j.score("q", "<answer>8*3</answer>", [3, 3, 8, 8], "game24")["correct"]
+
+
+# --- the configured judge: rules, then the LLM for what they reject ------------------------
+
+class _Item:
+    def __init__(self, question, gold, kind, options=None, numbers=None):
+        self.question, self.gold, self.kind, self.options, self.numbers = question, gold, kind, options, numbers
+
+
+ITEMS = [_Item("Who was the 35th US president?", ["John F. Kennedy"], "text"),   # rules: wrong (JFK)
+         _Item("Capital of France?", ["Paris"], "text"),                        # rules: right
+         _Item("Make 24", ["(1+1+1)*8"], "game24", numbers=[1, 1, 1, 8])]       # rules only
+ANSWERS = ["<answer>JFK</answer>", "<answer>Paris</answer>", "<answer>8*3</answer>"]
+
+
+def test_judge_rules_only_by_default():
+    j = Judge.from_config({"llm": False, "base_url": "", "model": "", "api_key_env": "OPENAI_API_KEY"})
+    assert j.llm is None
+    v = j.score_batch(ANSWERS, ITEMS)
+    assert [x["correct"] for x in v] == [False, True, False]
+    assert {x["judge"] for x in v} == {"rule"} and judge_counts(v) == {"rule": 3, "llm": 0, "llm_failed": 0}
+
+
+def test_judge_endpoint_decides_what_the_rules_reject(server):
+    _Handler.seen.clear()
+    j = Judge.from_config({"llm": True, "base_url": server, "model": "yes", "api_key_env": "",
+                           "timeout_s": 5.0, "max_workers": 2})
+    v = j.score_batch(ANSWERS, ITEMS)
+    assert [x["correct"] for x in v] == [True, True, False]
+    assert [x["judge"] for x in v] == ["llm", "rule", "rule"]
+    assert len(_Handler.seen) == 1  # only the JFK answer went to the LLM; game24 never does
+    assert "Authorization" not in _Handler.seen[0][1]  # api_key_env "" sends no key
+    assert judge_counts(v) == {"rule": 2, "llm": 1, "llm_failed": 0}
+    no = Judge.from_config({"llm": True, "base_url": server, "model": "no", "api_key_env": ""})
+    v = no.score_batch(ANSWERS[:1], ITEMS[:1])
+    assert v[0]["correct"] is False and v[0]["judge"] == "llm" and v[0]["judge_error"] == ""
+
+
+@pytest.mark.parametrize("mode", ["http500", "garbage", "notjson", "slow"])
+def test_judge_failure_is_reward_zero_and_counted(server, mode):
+    j = Judge.from_config({"llm": True, "base_url": server, "model": mode, "api_key_env": "",
+                           "timeout_s": 0.3, "max_workers": 4})
+    v = j.score_batch(ANSWERS[:1] * 3, ITEMS[:1] * 3)
+    assert all(x["correct"] is False and x["judge"] == "rule" and x["judge_error"] for x in v)
+    assert judge_counts(v) == {"rule": 3, "llm": 0, "llm_failed": 3}
+
+
+def test_judge_with_the_frozen_policy_needs_an_engine():
+    cfg = {"llm": True, "base_url": "", "model": "", "api_key_env": ""}
+    with pytest.raises(ValueError, match="frozen policy"):
+        Judge.from_config(cfg)
+
+
+def test_engine_generate_forces_a_verdict_on_the_local_engine(tiny_llm):
+    """A random 2-layer model cannot grade, but the first token is forced to begin yes
+    or no, so every reply parses, and the Judge built on it runs end to end."""
+    gen = engine_generate(tiny_llm, batch_size=2)
+    replies = gen(["Question: q\nGold answer: a\nResponse: b"] * 3)
+    assert len(replies) == 3
+    assert all(r in ("yes", "no") for r in replies), replies
+    j = Judge.from_config({"llm": True, "base_url": "", "model": "", "api_key_env": ""}, engine=tiny_llm)
+    v = j.score_batch(ANSWERS, ITEMS)
+    assert v[1]["judge"] == "rule" and v[0]["judge"] in ("llm", "rule")
+
+
+def test_eval_scores_through_the_configured_judge(server, tmp_path):
+    """eval.evaluate with an LLM judge on a loopback endpoint: each result row and the
+    summary say who decided (a stand-in agent, so no model is needed)."""
+    import eval as evaluation
+    from benchmarks import Item
+
+    class Traj:
+        def __init__(self, answer):
+            self.answer, self.memory = answer, type("M", (), {"records": []})()
+
+        def to_dict(self):
+            return {"answer": self.answer}
+
+    class Agent:
+        def rollout(self, questions, seed=0, max_turns=None):
+            return [Traj(a) for a in ANSWERS[:len(questions)]]
+
+    items = [Item(id=str(k), question=it.question, gold=it.gold, kind=it.kind, numbers=it.numbers)
+             for k, it in enumerate(ITEMS)]
+    judge = Judge.from_config({"llm": True, "base_url": server, "model": "yes", "api_key_env": ""})
+    summary = evaluation.evaluate(Agent(), items, tmp_path, batch_size=3, judge=judge)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["judge"] for r in rows] == ["llm", "rule", "rule"]
+    assert [r["correct"] for r in rows] == [True, True, False]
+    assert summary["judge"] == {"rule": 2, "llm": 1, "llm_failed": 0} and summary["accuracy"] == 2 / 3

@@ -35,7 +35,9 @@ def learnable_reward(monkeypatch):
     reward the random model does earn sometimes: the answer's length is odd. (tiny_cfg
     samples the generator: a random model's greedy answer ignores the memory, so the G
     rollouts of a query would all get the same reward.)"""
-    monkeypatch.setattr(train, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1})
+    import judge
+    monkeypatch.setattr(judge, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1, "f1": 0.0,
+                                                                     "extracted": answer})
 
 
 def weights(path):
@@ -54,6 +56,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
         assert key in rows[0], key
     assert all(r["logprob_gap"] < 1e-3 for r in rows)  # the loss is on-policy
     assert rows[0]["planner_tokens"] > 0
+    assert rows[0]["judge"] == {"rule": 4, "llm": 0, "llm_failed": 0}  # who decided each of the 2x2 rewards
     # Checkpoint in Hugging Face format, loadable as is, with weights that moved.
     ck = out / "checkpoints" / "step_2"
     model = AutoModelForCausalLM.from_pretrained(ck)

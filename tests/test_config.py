@@ -1,0 +1,118 @@
+"""Tests for config.py's checks: a bad path, model name, tool or missing API key fails
+in one line that names the key and the fix, before any model is loaded."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from config import ConfigError, load_config, preflight  # noqa: E402
+
+DATA = [f"data.train={ROOT / 'data' / 'train.jsonl'}", f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}",
+        f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
+
+
+def cfg(*overrides, path=ROOT / "config.yaml"):
+    return load_config(str(path), [*DATA, *overrides])
+
+
+def fails(c, *words, **kw):
+    with pytest.raises(ConfigError) as e:
+        preflight(c, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg, msg  # one line
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+def test_the_default_config_passes():
+    preflight(cfg())
+
+
+def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
+    fails(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), "data.train", "nope.jsonl", "prepare_data.py")
+    fails(cfg(f"data.heldout={tmp_path / 'gone.jsonl'}"), "data.heldout", "gone.jsonl")
+    fails(cfg(f"tools.corpus={tmp_path / 'c.jsonl'}"), "tools.corpus", "tasks.py")
+    # eval.py reads --benchmark, not data.*
+    preflight(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), data=False)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("/nonexistent", ["model.name", "/nonexistent", "no such directory"]),
+    ("./runs/none/checkpoints/step_3", ["no such directory"]),
+    ("runs/a/b", ["no such directory"]),
+    ("not a model!", ["neither a local folder nor a hub id", "Qwen/Qwen2.5-7B-Instruct"]),
+    ("owner/na--me", ["neither"]),
+    ("-bad/name", ["neither"]),
+])
+def test_bad_model_names(name, words):
+    fails(cfg(f"model.name={name}"), *words)
+
+
+def test_model_folder_and_hub_ids(tmp_path, monkeypatch):
+    fails(cfg(f"model.name={tmp_path}"), "without config.json")
+    (tmp_path / "config.json").write_text("{}")
+    preflight(cfg(f"model.name={tmp_path}"))
+    for ok in ("Qwen/Qwen2.5-7B-Instruct", "gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"):
+        preflight(cfg(f"model.name={ok}"))
+    # a one-slash name whose first part is a local folder is a path, not a hub id
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    fails(cfg("model.name=runs/nothing-here"), "no such directory")
+    fails(cfg(), "--model", model_paths=("/no/such/checkpoint",))
+
+
+def test_unknown_tool_fails_at_load_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"unknown tool 'Google'; did you mean Google_Search\?"):
+        cfg("agent.tools=[Base_Generator, Google]")
+    with pytest.raises(ConfigError, match="known tools: .*Python_Coder"):
+        cfg("agent.tools=[Calculator]")
+
+
+def test_tool_api_keys_from_the_environment(monkeypatch):
+    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
+    monkeypatch.delenv("GOOGLE_CSE_ID", raising=False)
+    c = cfg("agent.tools=[Base_Generator, Google_Search]")
+    fails(c, "Google_Search", "GOOGLE_API_KEY and GOOGLE_CSE_ID", "export GOOGLE_API_KEY")
+    monkeypatch.setenv("GOOGLE_API_KEY", "k")
+    fails(c, "GOOGLE_CSE_ID")
+    monkeypatch.setenv("GOOGLE_CSE_ID", "cx")
+    preflight(c)
+
+
+def test_judge_endpoint_settings(monkeypatch):
+    monkeypatch.delenv("MY_JUDGE_KEY", raising=False)
+    on = ("judge.llm=true", "judge.base_url=http://127.0.0.1:8000/v1", "judge.model=qwen")
+    fails(cfg(*on, "judge.api_key_env=MY_JUDGE_KEY"), "judge.api_key_env", "MY_JUDGE_KEY", "judge.api_key_env=''")
+    monkeypatch.setenv("MY_JUDGE_KEY", "sk-x")
+    preflight(cfg(*on, "judge.api_key_env=MY_JUDGE_KEY"))
+    preflight(cfg(*on, "judge.api_key_env=''"))  # a local server with no key
+    fails(cfg("judge.llm=true", "judge.base_url=http://h/v1", "judge.api_key_env=''"), "judge.model")
+    fails(cfg("judge.llm=true", "judge.base_url=localhost:8000", "judge.model=m", "judge.api_key_env=''"),
+          "http://")
+    preflight(cfg("judge.llm=true"))  # empty base_url: the frozen policy judges, nothing to check
+    preflight(cfg(*on, "judge.llm=false", "judge.api_key_env=UNSET_ANYWAY"))  # off: not checked
+
+
+def test_paper_config_points_at_the_prepared_mix():
+    c = load_config(str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"))
+    assert c["data"]["train"].endswith("nq_deepmath/train.jsonl")
+    if not Path(c["data"]["train"]).exists():
+        fails(c, "data.train", "prepare_data.py train")
+
+
+def test_cli_fails_in_one_line_before_loading_a_model(capsys, tmp_path):
+    import eval as evaluation
+    import train
+    assert train.main([str(ROOT / "config.yaml"), *DATA, "model.name=/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model.name" in err and "Traceback" not in err
+    bench = ROOT / "data" / "heldout.jsonl"
+    assert evaluation.main(["--benchmark", str(bench), "--config", str(ROOT / "config.yaml"),
+                            "--model", str(tmp_path / "none"), *DATA]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--model" in err
