@@ -19,23 +19,27 @@ Where this departs from the official code:
 The Python sandbox is sandbox.py: by default each program runs in its own Linux user,
 network, mount, PID and IPC namespaces (no network, a read-only view of little more
 than the interpreter, its own processes only), under rlimits and a wall clock, for
-root and ordinary users alike.
+root and ordinary users alike. Web_Search, which fetches URLs a model wrote, refuses
+internal addresses (_guarded_get).
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
 import re
+import socket
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from html.parser import HTMLParser
-from urllib.parse import urlparse
+from urllib.parse import urljoin, urlparse
 
 import requests
+import urllib3
 
 from memory import cut
 from sandbox import Limits, Sandbox, SandboxError
@@ -57,6 +61,7 @@ DEFAULT_TOOL_CFG = {
                                   # (rlimits: a pool of the 16 uids after it)
     "web_timeout_s": 10.0,        # network tools: per-request timeout
     "web_max_bytes": 2_000_000,   # Web_Search: bytes of a page read at most
+    "url_allow": [],              # Web_Search: hosts or CIDRs it may fetch although internal, e.g. [10.0.0.0/8]
     "wikipedia_url": "https://en.wikipedia.org/w/api.php",
     "google_url": "https://www.googleapis.com/customsearch/v1",
 }
@@ -272,12 +277,13 @@ class LocalSearch(Tool):
 
 # ----------------------------------------------------------------------------- network tools
 
-def _get(url: str, params: dict | None, timeout: float, **kw) -> requests.Response:
+def _get(url: str, params: dict | None, timeout: float, session=None, **kw) -> requests.Response:
     """GET with our User-Agent; failures become ToolError. The messages never quote the
     request URL: it can hold an API key, and errors end up in prompts and logs."""
     host = urlparse(url).netloc or url[:60]
     try:
-        resp = requests.get(url, params=params, timeout=timeout, headers={"User-Agent": USER_AGENT}, **kw)
+        resp = (session or requests).get(url, params=params, timeout=timeout, headers={"User-Agent": USER_AGENT},
+                                         **kw)
     except requests.Timeout:
         raise ToolError(f"timeout after {timeout:g}s from {host}") from None
     except requests.RequestException as e:
@@ -290,6 +296,120 @@ def _get(url: str, params: dict | None, timeout: float, **kw) -> requests.Respon
         resp.close()
         raise ToolError(f"HTTP {resp.status_code} from {host}" + (f": {message}" if message else ""))
     return resp
+
+
+# A URL that a model wrote must not turn the agent inward: onto this machine's services
+# (a judge, a model server, a database on 127.0.0.1), the local network or a cloud
+# metadata endpoint (169.254.169.254). Every address a fetch would go to is checked:
+# what the name resolves to before the request (so an internal one is never contacted)
+# and the peer the socket actually connected to (so a name that resolves to a public
+# address for our check and to an internal one for the connection, DNS rebinding, is
+# caught too), on the first request and on every redirect, which we follow ourselves.
+# Behind an HTTP proxy the proxy resolves the name and only the first check applies.
+# Not guarded: the API endpoints of the config (wikipedia_url, google_url), which the
+# user chose (a local mirror is legitimate) and of which a model writes only the query.
+
+_MAX_REDIRECTS = 5
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _allow_list(entries) -> tuple[set[str], list]:
+    """tools.url_allow as (host names, networks): an entry that parses as an address or
+    CIDR allows those addresses under any name; any other entry allows that host name."""
+    names, nets = set(), []
+    for entry in entries or ():
+        try:
+            nets.append(ipaddress.ip_network(str(entry), strict=False))
+        except ValueError:
+            names.add(str(entry).lower().rstrip("."))
+    return names, nets
+
+
+def _refusal(ip: str, nets) -> str:
+    """Why a fetch may not go to `ip` ("" = it may)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])  # a scope id (fe80::1%eth0) is no part of the address
+    if addr.version == 6:  # an IPv4 address inside IPv6 is judged as itself (::ffff:127.0.0.1 is loopback)
+        if addr in _NAT64:
+            addr = ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+        else:
+            addr = addr.ipv4_mapped or addr.sixtofour or addr
+    if any(addr in net for net in nets if net.version == addr.version):
+        return ""
+    for kind in ("loopback", "unspecified", "link_local", "private", "multicast", "reserved"):
+        if getattr(addr, "is_" + kind):
+            return f"{addr} is a {kind.replace('_', '-')} address"
+    return "" if addr.is_global else f"{addr} is not a public address"
+
+
+def _refuse(host: str, why: str) -> ToolError:
+    return ToolError(f"refused to fetch from {host}: {why} (tools.url_allow lets a host in)")
+
+
+def _check_host(host: str, port: int, allow: tuple[set[str], list]) -> None:
+    names, nets = allow
+    if host.lower().rstrip(".") in names:
+        return
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        raise ToolError(f"cannot resolve {host}") from None
+    for *_, sockaddr in found:  # every address it resolves to: the client may pick any of them
+        why = _refusal(sockaddr[0], nets)
+        if why:
+            raise _refuse(host, why)
+
+
+def _guarded_session(allow: tuple[set[str], list]) -> requests.Session:
+    """A session whose direct connections refuse a peer outside the allow list."""
+
+    def guarded(base):
+        class Guarded(base):
+            def _new_conn(self):
+                sock = super()._new_conn()
+                if self.host.lower().rstrip(".") not in allow[0]:
+                    why = _refusal(sock.getpeername()[0], allow[1])
+                    if why:  # nothing was sent yet
+                        sock.close()
+                        raise _refuse(self.host, why)
+                return sock
+        return Guarded
+
+    pools = {"http": type("GuardedPool", (urllib3.HTTPConnectionPool,),
+                          {"ConnectionCls": guarded(urllib3.connection.HTTPConnection)}),
+             "https": type("GuardedPool", (urllib3.HTTPSConnectionPool,),
+                           {"ConnectionCls": guarded(urllib3.connection.HTTPSConnection)})}
+
+    class Adapter(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = pools
+
+    session = requests.Session()
+    for scheme in ("http://", "https://"):
+        session.mount(scheme, Adapter())
+    return session
+
+
+def _guarded_get(url: str, timeout: float, allow_entries) -> tuple[str, requests.Response]:
+    """(final URL, streamed response) of a GET to a model-written URL, redirects followed
+    by hand so that every hop is checked."""
+    allow = _allow_list(allow_entries)
+    with _guarded_session(allow) as session:
+        for _ in range(_MAX_REDIRECTS + 1):
+            parts = urlparse(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ToolError(f"not an http(s) URL: {url[:100]}")
+            try:
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+            except ValueError:
+                raise ToolError(f"bad port in {url[:100]}") from None
+            _check_host(parts.hostname, port, allow)
+            resp = _get(url, None, timeout, session=session, stream=True, allow_redirects=False)
+            if not resp.is_redirect:
+                return url, resp
+            url = urljoin(url, resp.headers["Location"])
+            resp.close()
+    raise ToolError(f"more than {_MAX_REDIRECTS} redirects")
 
 
 def _api_error(data) -> str:
@@ -424,7 +544,7 @@ class WebSearch(Tool):
         url = match.group(0).rstrip(".,;:!?)]}")
         question = (command[:match.start()] + " " + command[match.start() + len(url):]).strip()
         timeout, max_bytes = float(self.cfg["web_timeout_s"]), int(self.cfg["web_max_bytes"])
-        resp = _get(url, None, timeout, stream=True)
+        url, resp = _guarded_get(url, timeout, self.cfg["url_allow"])
         with resp:
             ctype = resp.headers.get("Content-Type", "").lower()
             if not (ctype.startswith("text/") or "html" in ctype or "xml" in ctype):

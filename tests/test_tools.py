@@ -1,6 +1,6 @@
 """Tests for tools.py: code extraction, BM25 against its formula, and the network tools
 against a local HTTP server (127.0.0.1, random port) that serves recorded-style replies
-to the real client code. The Python sandbox
+to the real client code; Web_Search's refusal of internal addresses. The Python sandbox
 has its own file, tests/test_sandbox.py.
 """
 
@@ -264,7 +264,7 @@ PAGE = ("<html><head><title>Towers</title><style>.zebra { color: red }</style>"
 
 def test_web_search_ranks_the_relevant_chunk_first(server):
     server.routes["/page"] = lambda p: (200, "text/html; charset=utf-8", PAGE.encode(), 0)
-    tool = tools.WebSearch({"search_top_k": 2})
+    tool = tools.WebSearch({"search_top_k": 2, "url_allow": ["127.0.0.1"]})
     r = tool.run(f"Read {server.url}/page. When was the Eiffel Tower completed?")
     assert r.ok and "completed in 1889 for the World's Fair" in r.output.splitlines()[0]
     page_text = tools.html_to_text(PAGE)
@@ -273,7 +273,7 @@ def test_web_search_ranks_the_relevant_chunk_first(server):
 
 
 def test_web_search_failures(server):
-    tool = tools.WebSearch()
+    tool = tools.WebSearch({"url_allow": ["127.0.0.1"]})
     assert tool.run(f"{server.url}/missing what?").error.startswith("HTTP 404 from")
     server.routes["/file.bin"] = lambda p: (200, "application/octet-stream", b"\x00\x01" * 100, 0)
     assert "unsupported content type 'application/octet-stream'" in tool.run(f"{server.url}/file.bin what?").error
@@ -281,3 +281,90 @@ def test_web_search_failures(server):
     assert "no text on page" in tool.run(f"{server.url}/empty what?").error
     assert tool.run("When was the Eiffel Tower completed?").error == "no URL in command"
 
+
+# ----------------------------------------------------------------------------- Web_Search stays outward
+
+@pytest.mark.parametrize("address, kind", [
+    ("127.0.0.1", "loopback"), ("127.8.9.10", "loopback"), ("::1", "loopback"), ("::ffff:127.0.0.1", "loopback"),
+    ("10.1.2.3", "private"), ("172.16.0.1", "private"), ("192.168.1.1", "private"), ("fd00::1", "private"),
+    ("169.254.169.254", "link-local"), ("fe80::1%2", "link-local"), ("224.0.0.251", "multicast"),
+    ("ff02::1", "multicast"), ("0.0.0.0", "unspecified"), ("::", "unspecified"), ("240.0.0.1", "private"),
+    ("100.64.0.1", "not a public"), ("64:ff9b::a9fe:a9fe", "link-local"), ("2002:7f00:1::", "loopback"),
+    ("93.184.216.34", ""), ("2606:2800:220:1:248:1893:25c8:1946", ""),
+])
+def test_internal_addresses_are_refused(address, kind):
+    why = tools._refusal(address, [])
+    assert (kind in why) if kind else why == ""
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:{port}/page", "http://localhost:{port}/page", "http://[::1]:{port}/page",
+    "http://[::ffff:127.0.0.1]:{port}/page", "http://2130706433:{port}/page", "http://0x7f.1:{port}/page",
+    "http://0.0.0.0:{port}/page", "http://10.0.0.1/page", "http://192.168.0.1/", "http://172.16.0.1/",
+    "http://169.254.169.254/latest/meta-data/", "http://[fe80::1]/", "http://224.0.0.1/",
+])
+def test_web_search_refuses_internal_urls(server, url):
+    server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
+    start = time.monotonic()
+    r = tools.WebSearch().run(url.format(port=server.server_address[1]) + " what is the secret?")
+    assert r.error.startswith("refused to fetch from ") and "url_allow" in r.error
+    assert server.seen == [] and time.monotonic() - start < 1.0  # refused before connecting, not timed out
+
+
+def test_the_allow_list_lets_hosts_and_networks_in(server):
+    server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal but allowed</p>", 0)
+    port = server.server_address[1]
+    for allow in (["127.0.0.1"], ["127.0.0.0/8"], ["localhost"]):
+        host = "localhost" if allow == ["localhost"] else "127.0.0.1"
+        r = tools.WebSearch({"url_allow": allow}).run(f"http://{host}:{port}/page what?")
+        assert r.output == "internal but allowed", allow
+    assert tools.WebSearch({"url_allow": ["localhost"]}).run(f"http://127.0.0.1:{port}/page what?").error
+
+
+def test_redirects_are_checked_at_every_hop(server, other_server):
+    """The allowed server (127.0.0.2) redirects; a hop to a refused address is never made."""
+    allowed = tools.WebSearch({"url_allow": ["127.0.0.2/32"]})
+    other_server.routes["/page"] = lambda p: (200, "text/html", b"<p>the page</p>", 0)
+    other_server.routes["/here"] = lambda p: (302, "text/html", b"", 0, {"Location": "/page"})
+    assert allowed.run(f"{other_server.url}/here what?").output == "the page"
+    server.routes["/secret"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
+    for target in (f"{server.url}/secret", "http://169.254.169.254/latest/meta-data/",
+                   f"http://localhost:{server.server_address[1]}/secret"):
+        other_server.routes["/away"] = lambda p: (301, "text/html", b"", 0, {"Location": target})
+        r = allowed.run(f"{other_server.url}/away what?")
+        assert r.error.startswith("refused to fetch from ") and server.seen == []
+    other_server.routes["/loop"] = lambda p: (307, "text/html", b"", 0, {"Location": "/loop"})
+    assert allowed.run(f"{other_server.url}/loop what?").error == "more than 5 redirects"
+    other_server.routes["/ftp"] = lambda p: (302, "text/html", b"", 0, {"Location": "ftp://example.org/"})
+    assert allowed.run(f"{other_server.url}/ftp what?").error.startswith("not an http(s) URL")
+
+
+def test_dns_rebinding_is_caught_at_connect(server, monkeypatch):
+    """A name that resolves to a public address for the check and to 127.0.0.1 for the
+    connection: the socket's peer is what counts."""
+    real, answers = socket.getaddrinfo, iter(["93.184.216.34"])
+
+    def rebinding(host, port, *args, **kwargs):
+        if host != "rebind.test":
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers, "127.0.0.1"), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
+    r = tools.WebSearch().run(f"http://rebind.test:{server.server_address[1]}/page what?")
+    assert r.error == "refused to fetch from rebind.test: 127.0.0.1 is a loopback address (tools.url_allow lets a host in)"
+    assert server.seen == []
+
+
+def test_the_allow_list_is_a_config_key():
+    from config import load_config
+    cfg = load_config(None, ["tools.url_allow=[127.0.0.1, 10.0.0.0/8, intranet.example]"])
+    assert cfg["tools"]["url_allow"] == ["127.0.0.1", "10.0.0.0/8", "intranet.example"]
+    assert tools._allow_list(cfg["tools"]["url_allow"])[0] == {"intranet.example"}
+
+
+def test_configured_api_endpoints_are_not_guarded(server):
+    """wikipedia_url and google_url come from the user's config, not from a model (the
+    Wikipedia tests above run against 127.0.0.1 with no allow list)."""
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", {"query": {"search": []}}, 0)
+    assert "no Wikipedia article" in wiki(server).run("xyzzy").error and server.seen
