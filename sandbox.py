@@ -5,7 +5,7 @@ runs in a throw-away Linux container built from scratch with namespaces, the way
 bubblewrap and nsjail build theirs, much simplified:
 
   caller --Popen--> supervisor S (our Python, outside every namespace: the wall clock)
-                     `--fork--> A: unshare(user, mount, net, ipc, pid); builds the root
+                     `--fork--> A: unshare(user, mount, net, ipc, pid, uts); builds the root
                                  `--fork--> B = PID 1 of the new PID namespace (reaps)
                                              `--fork--> the program: exec python main.py
 
@@ -19,13 +19,15 @@ What the program gets ("namespaces", the default):
   127.0.0.1 of ours, no abstract unix sockets of ours;
 - a mount namespace whose root is a fresh tmpfs, read-only, holding read-only binds
   of /usr, the /lib* and /bin links, the interpreter's own prefixes, and /dev/null,
-  /dev/zero, /dev/random, /dev/urandom; no /proc, /sys, /etc or home; /tmp is the
-  working directory, a size-capped tmpfs and the one writable place;
+  /dev/zero, /dev/random, /dev/urandom; an /etc with a passwd naming only the program;
+  no /proc, /sys or home; /tmp (also /dev/shm and HOME) is the working directory, a
+  size-capped tmpfs and the one writable place;
 - its own PID namespace: it sees and can signal only its own processes. The
   supervisor is outside it, so no pid names it (no kill, no ptrace). When the
   program's PID 1 ends, or the supervisor kills it at the timeout, the kernel kills
   every process left in the namespace;
-- its own IPC namespace (System V IPC, POSIX message queues);
+- its own IPC namespace (System V IPC, POSIX message queues) and UTS namespace (the
+  hostname reads "sandbox");
 - rlimits on address space, CPU seconds, processes (counted per user namespace, so
   per program), file size and open files, which it cannot raise; an environment
   with nothing of ours in it.
@@ -99,7 +101,8 @@ report = cfg["report_fd"]
 os.set_inheritable(report, False)  # the program must never hold it (closed at exec)
 code = sys.stdin.buffer.read()
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
+    0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 step = "start"
@@ -178,6 +181,13 @@ def enter_new_root(owner):
     for path, fd in devices:  # device nodes work through binds of the host's (a tmpfs of ours is nodev)
         os.close(os.open(new + path, os.O_CREAT | os.O_WRONLY, 0o644))
         mount(f"/proc/self/fd/{fd}", new + path, None, MS_BIND)
+    # POSIX semaphores (multiprocessing) live in /dev/shm: let it be the working directory.
+    os.symlink("/tmp", new + "/dev/shm")
+    step = "write /etc"  # a passwd naming only the program's uid, for code that looks itself up
+    os.mkdir(new + "/etc")
+    for name, line in (("passwd", "sandbox:x:{0}:{0}:sandbox:/tmp:/usr/sbin/nologin"), ("group", "sandbox:x:{0}:")):
+        with open(f"{new}/etc/{name}", "w") as f:
+            f.write(line.format(cfg["inside"]) + "\n")
     step = "pivot_root"  # then detach the old root: nothing of the host stays reachable
     os.chdir(new)
     check(libc.syscall(cfg["pivot_root_nr"], b".", b"."))
@@ -211,7 +221,8 @@ def a_main(pipe):
     # S -> A -> B, so killing A (or S dying) kills B, and with B the whole PID namespace.
     global step
     try:
-        uid, gid, everything = cfg["uid"], cfg["gid"], CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID
+        uid, gid = cfg["uid"], cfg["gid"]
+        everything = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWUTS
         if os.geteuid() == 0:
             # As root: build the root first, with root's access to every path (an interpreter
             # under a mode-700 /root included), in a mount namespace of our own; then drop to
@@ -227,17 +238,19 @@ def a_main(pipe):
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
             prctl(PR_SET_DUMPABLE, 1)  # the uid change made /proc/<us> root's; our id maps must be ours to write
-            step = "unshare(user, mount, net, ipc, pid namespaces)"
+            step = "unshare(user, mount, net, ipc, pid, uts namespaces)"
             check(libc.unshare(everything))
             step = "write the uid/gid maps"
             write_ids(proc, uid, gid)
             prctl(PR_SET_DUMPABLE, 0)  # and no longer: nothing else of this uid may ptrace us
         else:
-            step = "unshare(user, mount, net, ipc, pid namespaces)"
+            step = "unshare(user, mount, net, ipc, pid, uts namespaces)"
             check(libc.unshare(everything))
             step = "write the uid/gid maps"
             write_ids(os.open("/proc/self", os.O_PATH | os.O_DIRECTORY), uid, gid)
             enter_new_root(f"uid={cfg['inside']},gid={cfg['inside']}")
+        step = "set the hostname"  # ours would tell the program where it runs
+        check(libc.sethostname(b"sandbox", 7))
         step = "fork PID 1"
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
         if os.fork() == 0:
