@@ -24,13 +24,13 @@ What the program gets ("namespaces", the default):
   size-capped tmpfs and the one writable place;
 - its own PID namespace: it sees and can signal only its own processes. The
   supervisor is outside it, so no pid names it (no kill, no ptrace). When the
-  program's PID 1 ends, or the supervisor kills it at the timeout, the kernel kills
-  every process left in the namespace;
+  program ends, our PID 1 ends with it, and when PID 1 ends (or the supervisor kills
+  it at the timeout) the kernel kills every process left in the namespace;
 - its own IPC namespace (System V IPC, POSIX message queues) and UTS namespace (the
   hostname reads "sandbox");
 - rlimits on address space, CPU seconds, processes (counted per user namespace, so
-  per program), file size and open files, which it cannot raise; an environment
-  with nothing of ours in it.
+  per program, since Linux 5.14; per outside uid before), file size and open files,
+  which it cannot raise; an environment with nothing of ours in it.
 
 "rlimits" (selected explicitly, with a warning every run) keeps only the last point
 plus, as root, a pool of unprivileged uids; it isolates no network, files or
@@ -103,7 +103,8 @@ code = sys.stdin.buffer.read()
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 step = "start"
 
@@ -459,27 +460,31 @@ def _sysctl(name: str) -> str | None:
 
 
 def _explain(outcome: dict) -> str:
-    """One line for a failed setup step: the cause, as far as we can tell, and the fix."""
+    """One line for a failed setup step: the cause, as far as we can tell, and the fix.
+    The sysctls matter as root too: the namespaces are made after the drop to the
+    sandbox uid. AppArmor's restriction lets unshare succeed and refuses what follows."""
     step, code = outcome.get("error", "?"), outcome.get("errno", "")
-    if step.startswith("unshare"):
-        root = os.geteuid() == 0
+    cause = fix = ""
+    if step.startswith("unshare") or code in ("EPERM", "EACCES"):
         if _sysctl("user.max_user_namespaces") == "0" or code == "ENOSPC":
             cause, fix = ("user namespaces are disabled or used up (sysctl user.max_user_namespaces)",
                           "sysctl -w user.max_user_namespaces=10000")
-        elif _sysctl("kernel.unprivileged_userns_clone") == "0" and not root:
+        elif _sysctl("kernel.unprivileged_userns_clone") == "0":
             cause, fix = ("unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0)",
                           "sysctl -w kernel.unprivileged_userns_clone=1")
-        elif _sysctl("kernel.apparmor_restrict_unprivileged_userns") == "1" and not root:
+        elif _sysctl("kernel.apparmor_restrict_unprivileged_userns") == "1":
             cause, fix = ("AppArmor restricts unprivileged user namespaces "
                           "(kernel.apparmor_restrict_unprivileged_userns = 1)",
                           "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor "
                           "profile that allows userns for this python")
-        elif code == "EINVAL":
+    if not cause and step.startswith("unshare"):
+        if code == "EINVAL":
             cause, fix = "this kernel lacks user, PID or network namespaces", "a kernel built with CONFIG_USER_NS"
         else:
             cause, fix = (f"unshare() was refused ({code}): a seccomp filter or security module blocks "
                           "namespaces (a container's default profile does)",
                           "allow unshare/clone of namespaces (e.g. docker --security-opt seccomp=unconfined)")
+    if cause:
         return f"Python_Coder cannot isolate programs here: {cause}. Fix: {fix}; {_ISOLATION_HINT}."
     return (f"Python_Coder's sandbox failed to set up at '{step}': {code} {outcome.get('message', '')}"
             f"; {_ISOLATION_HINT}.")

@@ -53,12 +53,9 @@ DEFAULT_TOOL_CFG = {
     "python_max_procs": 32,       # Python_Coder: processes + threads (RLIMIT_NPROC)
     "python_max_file_mb": 16,     # Python_Coder: largest file it may write (RLIMIT_FSIZE)
     "python_workdir_mb": 64,      # Python_Coder: size of its working directory, the one place it may write
-    "python_interpreter": "",     # Python_Coder: the python it runs; "" = ours, standard library only;
-                                  # a path (a venv's bin/python with numpy, sympy) runs with its packages
-    "python_isolation": "namespaces",  # Python_Coder: "namespaces" (refuses to run where there are none)
-                                       # or "rlimits" (limits only: sees network and files; warns every run)
-    "python_sandbox_uid": 61100,  # Python_Coder as root: the uid programs run as, used by nothing else
-                                  # (rlimits: a pool of the 16 uids after it)
+    "python_interpreter": "",     # Python_Coder: its python; "" = ours, stdlib only; a venv's brings its packages
+    "python_isolation": "namespaces",  # Python_Coder: "namespaces" (else it refuses) or "rlimits" (no isolation; warns)
+    "python_sandbox_uid": 61100,  # Python_Coder as root: its uid, used by nothing else (rlimits: the 16 after it)
     "web_timeout_s": 10.0,        # network tools: per-request timeout
     "web_max_bytes": 2_000_000,   # Web_Search: bytes of a page read at most
     "url_allow": [],              # Web_Search: hosts or CIDRs it may fetch although internal, e.g. [10.0.0.0/8]

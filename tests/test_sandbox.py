@@ -172,9 +172,12 @@ def abstract_socket():
 def sysv_segment():
     """A System V shared-memory segment anyone may attach: only IPC namespaces separate them."""
     libc = ctypes.CDLL(None, use_errno=True)
-    key = 0x5AF0 + os.getpid() % 4096
-    shmid = libc.shmget(key, 4096, 0o1000 | 0o666)  # IPC_CREAT
-    if shmid < 0:
+    for _ in range(20):  # a fresh key: never touch a segment of someone else's
+        key = int.from_bytes(os.urandom(3), "big") + 1
+        shmid = libc.shmget(key, 4096, 0o1000 | 0o2000 | 0o666)  # IPC_CREAT | IPC_EXCL
+        if shmid >= 0:
+            break
+    else:
         pytest.skip(f"shmget failed: {os.strerror(ctypes.get_errno())}")
     yield key
     libc.shmctl(shmid, 0, None)  # IPC_RMID
@@ -469,17 +472,48 @@ def test_without_namespaces_it_refuses_with_cause_and_fix(monkeypatch):
         tools.build_tools(["Python_Coder"], {"python_timeout_s": 2.25})
 
 
-@pytest.mark.parametrize("sysctls, errno_name, says", [
-    ({"user.max_user_namespaces": "0"}, "EPERM", "user.max_user_namespaces=10000"),
-    ({"kernel.unprivileged_userns_clone": "0"}, "EPERM", "kernel.unprivileged_userns_clone=1"),
-    ({"kernel.apparmor_restrict_unprivileged_userns": "1"}, "EACCES", "apparmor_restrict_unprivileged_userns=0"),
-    ({}, "EPERM", "seccomp"),
-    ({}, "EINVAL", "CONFIG_USER_NS"),
+def test_where_user_namespaces_are_disabled_it_refuses_and_rlimits_still_runs():
+    """For real: inside a user namespace of the test's own whose max_user_namespaces is 0
+    (the sysctl is per namespace), so the machine is untouched."""
+    script = f"""
+import ctypes, sys
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+    print("SKIP", ctypes.get_errno()); sys.exit()
+open("/proc/sys/user/max_user_namespaces", "w").write("0")
+sys.path.insert(0, {str(ROOT)!r})
+import sandbox
+try:
+    sandbox.Sandbox()
+except sandbox.SandboxError as e:
+    print("REFUSED", e)
+print("RLIMITS", sandbox.Sandbox(isolation="rlimits").run("print(6 * 7)", 100).stdout.strip())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+    if out.startswith("SKIP"):
+        pytest.skip(f"cannot make a user namespace to test in ({out.strip()})")
+    refused, rlimits = out.splitlines()
+    assert refused.startswith("REFUSED Python_Coder cannot isolate programs here: user namespaces are disabled")
+    assert "Fix: sysctl -w user.max_user_namespaces" in refused and "python_isolation: rlimits" in refused
+    assert rlimits == "RLIMITS 42"
+
+
+UNSHARE = "unshare(user, mount, net, ipc, pid, uts namespaces)"
+
+
+@pytest.mark.parametrize("sysctls, step, errno_name, says", [
+    ({"user.max_user_namespaces": "0"}, UNSHARE, "EPERM", "user.max_user_namespaces=10000"),
+    ({}, UNSHARE, "ENOSPC", "user.max_user_namespaces=10000"),
+    ({"kernel.unprivileged_userns_clone": "0"}, UNSHARE, "EPERM", "kernel.unprivileged_userns_clone=1"),
+    # AppArmor's restriction lets unshare succeed and refuses the mounts after it.
+    ({"kernel.apparmor_restrict_unprivileged_userns": "1"}, "mount --make-rprivate /", "EPERM",
+     "apparmor_restrict_unprivileged_userns=0"),
+    ({}, UNSHARE, "EPERM", "seccomp"),
+    ({}, UNSHARE, "EINVAL", "CONFIG_USER_NS"),
+    ({}, "pivot_root", "ENOSYS", "failed to set up at 'pivot_root': ENOSYS"),
 ])
-def test_each_cause_gets_its_fix(monkeypatch, sysctls, errno_name, says):
+def test_each_cause_gets_its_fix(monkeypatch, sysctls, step, errno_name, says):
     monkeypatch.setattr(sandbox, "_sysctl", sysctls.get)
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    message = sandbox._explain({"error": "unshare(user, mount, net, ipc, pid, uts namespaces)", "errno": errno_name})
+    message = sandbox._explain({"error": step, "errno": errno_name})
     assert says in message and "python_isolation: rlimits" in message and "\n" not in message
 
 

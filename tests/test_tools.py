@@ -352,7 +352,7 @@ def test_dns_rebinding_is_caught_at_connect(server, monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
     server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
     r = tools.WebSearch().run(f"http://rebind.test:{server.server_address[1]}/page what?")
-    assert r.error == "refused to fetch from rebind.test: 127.0.0.1 is a loopback address (tools.url_allow lets a host in)"
+    assert r.error.startswith("refused to fetch from rebind.test: 127.0.0.1 is a loopback address")
     assert server.seen == []
 
 
