@@ -99,6 +99,7 @@ CHOICES = {
     "model.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage_mode": ("trajectory", "turn_rows"),
+    "tools.python_isolation": ("namespaces", "rlimits"),
 }
 
 

@@ -121,9 +121,9 @@ def build_agent(cfg: dict, model_path: str | None = None):
     m = cfg["model"]
     if m["threads"]:
         torch.set_num_threads(m["threads"])
+    tools = build_tools(cfg["agent"]["tools"], cfg["tools"])  # first: a sandbox that cannot work stops us early
     frozen_model, tok = load_model(m["name"], m["device"], m["dtype"])
     planner_model = frozen_model if model_path is None else load_model(model_path, m["device"], m["dtype"])[0]
-    tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
     return AgentSystem(LLM(planner_model, tok), LLM(frozen_model, tok), tools, agent_config(cfg["agent"]))
 
 
@@ -151,7 +151,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
-    agent = build_agent(cfg, args.model)
+    from sandbox import SandboxError
+    try:
+        agent = build_agent(cfg, args.model)
+    except SandboxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     t0 = time.time()
     summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],

@@ -16,49 +16,33 @@ Where this departs from the official code:
   Web_Search ranks page chunks with BM25, and Local_Search (BM25 over a JSONL corpus)
   is added so the default task runs offline.
 
-The Python sandbox (Linux). Always: a fresh working directory, deleted afterwards; an
-environment with nothing of ours in it (API keys stay out); rlimits on address space,
-CPU seconds, processes, file size and open files, which the program cannot raise;
-PR_SET_NO_NEW_PRIVS; a wall-clock timeout after which everything is SIGKILLed and
-reaped by the supervisor (a child subreaper, so orphans come back to it).
-When we are root (as in CI) the program also runs as an unprivileged uid from a pool
-(61000..61015 by default; nothing else may use them). That is what makes RLIMIT_NPROC
-bite (root is exempt) and what lets cleanup kill every process of that uid, including
-children that left the process group with setsid. It then cannot read any other
-process's /proc/<pid>/environ, and can write only to its own directory and to
-world-writable ones; what it leaves at the top of /tmp, /var/tmp, /dev/shm and
-/run/lock is deleted after the call. If that uid cannot run our interpreter (e.g. it
-lives under /root, mode 700), a system python3 is used instead (stdlib only); if none
-works, the call fails rather than running unconfined.
-As an ordinary user we cannot switch uid: RLIMIT_NPROC then counts all of the user's
-processes, cleanup kills the process group only (a setsid child can survive), and the
-program can read and write whatever the user can, /proc/<our pid>/environ included.
-Never isolated: the network, and reading world-readable files.
+The Python sandbox is sandbox.py: by default each program runs in its own Linux user,
+network, mount, PID and IPC namespaces (no network, a read-only view of little more
+than the interpreter, its own processes only), under rlimits and a wall clock, for
+root and ordinary users alike. Web_Search, which fetches URLs a model wrote, refuses
+internal addresses (_guarded_get).
 """
 from __future__ import annotations
 
-import fcntl
+import ipaddress
 import json
 import math
 import os
 import re
-import selectors
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
+import socket
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from html.parser import HTMLParser
-from urllib.parse import urlparse
+from urllib.parse import urljoin, urlparse
 
 import requests
+import urllib3
 
 from memory import cut
+from sandbox import Limits, Sandbox, SandboxError
 
 DEFAULT_TOOL_CFG = {
     "max_output_chars": 600,      # every tool output is cut to this many characters
@@ -68,9 +52,13 @@ DEFAULT_TOOL_CFG = {
     "python_memory_mb": 512,      # Python_Coder: address-space limit (RLIMIT_AS)
     "python_max_procs": 32,       # Python_Coder: processes + threads (RLIMIT_NPROC)
     "python_max_file_mb": 16,     # Python_Coder: largest file it may write (RLIMIT_FSIZE)
-    "python_sandbox_uid": 61000,  # Python_Coder as root: first uid of the unprivileged pool
+    "python_workdir_mb": 64,      # Python_Coder: size of its working directory, the one place it may write
+    "python_interpreter": "",     # Python_Coder: its python; "" = ours, stdlib only; a venv's brings its packages
+    "python_isolation": "namespaces",  # Python_Coder: "namespaces" (else it refuses) or "rlimits" (no isolation; warns)
+    "python_sandbox_uid": 61100,  # Python_Coder as root: its uid, used by nothing else (rlimits: the 16 after it)
     "web_timeout_s": 10.0,        # network tools: per-request timeout
     "web_max_bytes": 2_000_000,   # Web_Search: bytes of a page read at most
+    "url_allow": [],              # Web_Search: hosts or CIDRs it may fetch although internal, e.g. [10.0.0.0/8]
     "wikipedia_url": "https://en.wikipedia.org/w/api.php",
     "google_url": "https://www.googleapis.com/customsearch/v1",
 }
@@ -159,157 +147,6 @@ def extract_code(text: str) -> str:
     return "\n".join(l[indent:] for l in lines).strip() + "\n"
 
 
-# Runs as its own process (argv: interpreter uid timeout mem cpu nproc fsize nofile).
-# A separate supervisor, rather than our own process, can be a child subreaper and
-# call waitpid(-1) without stealing exit statuses from the rest of the application.
-_SUPERVISOR = r"""
-import ctypes, os, resource, signal, sys, time
-interp, uid, timeout, mem, cpu, nproc, fsize, nofile = sys.argv[1:]
-uid, timeout = int(uid), float(timeout)
-libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the program's orphans become our children
-pid = os.fork()
-if pid == 0:
-    try:
-        os.setpgid(0, 0)
-        for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc),
-                         (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile)):
-            resource.setrlimit(lim, (int(val), int(val)))  # hard = soft: the program cannot raise them
-        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-        if uid >= 0:
-            os.setgroups([]); os.setgid(uid); os.setuid(uid)
-        os.execv(interp, [interp, "-I", "main.py"])
-    finally:
-        os._exit(127)
-status, deadline = None, time.monotonic() + timeout
-while status is None and time.monotonic() < deadline:
-    done, st = os.waitpid(pid, os.WNOHANG)
-    if done:
-        status = st
-    else:
-        time.sleep(0.01)
-if uid >= 0:  # kill(-1) from a helper with the sandbox uid hits every process of that uid (not the helper)
-    if os.fork() == 0:
-        try:
-            os.setuid(uid); os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-else:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-give_up = time.monotonic() + 2.0  # everything got SIGKILL; reap until no child is left
-while time.monotonic() < give_up:
-    try:
-        if os.waitpid(-1, os.WNOHANG)[0] == 0:
-            time.sleep(0.005)
-    except ChildProcessError:
-        break
-if status is None:
-    sys.exit(124)  # timeout (a program exiting with 124 on its own reads the same; harmless)
-code = os.waitstatus_to_exitcode(status)
-sys.exit(code if code >= 0 else 128 - code)
-"""
-
-_UID_POOL_SIZE = 16
-_interpreter: list[str | None] = []  # probed once: the python the pool uids can run
-_interpreter_lock = threading.Lock()
-
-
-def _take_uid(base: int) -> tuple[int, int]:
-    """A free uid of the pool and the fd that holds it. One uid per running program, so
-    its RLIMIT_NPROC budget is its own and the kill(-1) cleanup cannot hit another program.
-    The hold is an flock on a per-uid file: it works across threads and across processes
-    (train and eval on one machine), and the kernel drops it if we die."""
-    lock_dir = "/tmp/agentflow-sandbox-locks"  # a fixed path: every process on the machine must agree
-    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-    if os.stat(lock_dir).st_uid != os.geteuid():  # made by someone else (a sandbox?): don't trust it
-        raise ToolError(f"{lock_dir} is not owned by us")
-    while True:
-        for uid in range(base, base + _UID_POOL_SIZE):
-            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return uid, fd
-            except BlockingIOError:
-                os.close(fd)
-        time.sleep(0.05)  # all busy: wait for one
-
-
-def _interpreter_for(uid: int) -> str | None:
-    """A python the unprivileged uid can run: ours if it can read it (not when it lives
-    under /root, mode 700), else a system one. Probed by running it, the only sure test."""
-    with _interpreter_lock:
-        if not _interpreter:
-            found = None
-            for exe in (sys.executable, "/usr/local/bin/python3", "/usr/bin/python3", "/bin/python3"):
-                try:
-                    probe = subprocess.run([exe, "-I", "-c", "import encodings, json"], user=uid, group=uid,
-                                           extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
-                                           stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-                except (OSError, subprocess.SubprocessError):
-                    continue
-                if probe.returncode == 0:
-                    found = exe
-                    break
-            _interpreter.append(found)
-        return _interpreter[0]
-
-
-def _sweep_world_writable(uid: int) -> None:
-    """Delete what the sandbox uid left at the top of the world-writable directories
-    (safe because the uid belongs to this one finished program)."""
-    for top in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
-        for entry in (os.scandir(top) if os.path.isdir(top) else ()):
-            try:
-                if entry.stat(follow_symlinks=False).st_uid == uid:
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        os.unlink(entry.path)
-            except OSError:
-                pass
-
-
-class _HeadTail:
-    """Keeps the first and last `keep` bytes of a stream and counts the rest, so a
-    program printing forever costs bounded memory here."""
-
-    def __init__(self, keep: int):
-        self.keep, self.head, self.tail, self.total = keep, bytearray(), bytearray(), 0
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.keep - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        self.tail += data
-        del self.tail[:-self.keep or None]
-
-    def text(self, limit: int) -> str:
-        dropped = self.total - len(self.head) - len(self.tail)
-        text = (self.head + self.tail).decode("utf-8", "replace") if not dropped else \
-            self.head.decode("utf-8", "replace") + self.tail.decode("utf-8", "replace")
-        return cut(text, limit, keep_tail=True, already_cut=dropped)
-
-
-def _read_until(proc: subprocess.Popen, deadline: float, out: _HeadTail, err: _HeadTail) -> None:
-    """Drain stdout and stderr until both close or the deadline passes."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
-    sel.register(proc.stderr, selectors.EVENT_READ, err)
-    while sel.get_map() and time.monotonic() < deadline:
-        for key, _ in sel.select(timeout=max(deadline - time.monotonic(), 0)):
-            data = os.read(key.fd, 65536)
-            if data:
-                key.data.add(data)
-            else:
-                sel.unregister(key.fileobj)
-    sel.close()
-
-
 class PythonCoder(Tool):
     name = "Python_Coder"
     card = ("Runs a Python program and returns what it prints. Best for exact arithmetic,\n"
@@ -319,59 +156,34 @@ class PythonCoder(Tool):
     example = ("What is 1234 * 56 + 7?", "compute the expression", "print(1234 * 56 + 7)\n```")
     aliases = ("python", "code", "coder", "calculat", "comput")
 
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        c = self.cfg
+        limits = Limits(timeout_s=float(c["python_timeout_s"]), memory_mb=int(c["python_memory_mb"]),
+                        max_procs=int(c["python_max_procs"]), max_file_mb=int(c["python_max_file_mb"]),
+                        workdir_mb=int(c["python_workdir_mb"]))
+        # Decided here, once: a machine that cannot isolate programs stops the run at build time.
+        self.sandbox = Sandbox(limits, interpreter=str(c["python_interpreter"]),
+                               isolation=str(c["python_isolation"]), sandbox_uid=int(c["python_sandbox_uid"]))
+
     def _run(self, command):
         code = extract_code(command)
         if not code.strip():
             raise ToolError("no code in command")
-        timeout = float(self.cfg["python_timeout_s"])
-        uid, uid_fd = _take_uid(int(self.cfg["python_sandbox_uid"])) if os.geteuid() == 0 else (None, -1)
-        workdir = tempfile.mkdtemp(prefix="agentflow-py-")
         try:
-            interp = sys.executable if uid is None else _interpreter_for(uid)
-            if interp is None:
-                raise ToolError(f"no Python interpreter runs as the unprivileged sandbox uid {uid}")
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(code)
-            if uid is not None:
-                os.chown(workdir, uid, uid)  # its own directory is the one place it may write
-            limits = [int(self.cfg["python_memory_mb"]) << 20, math.ceil(timeout) + 1,
-                      int(self.cfg["python_max_procs"]), int(self.cfg["python_max_file_mb"]) << 20, 64]
-            argv = [sys.executable, "-I", "-c", _SUPERVISOR, interp, str(-1 if uid is None else uid),
-                    str(timeout)] + [str(v) for v in limits]
-            # A fresh environment: nothing of ours (API keys) reaches the program.
-            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-            out, err = _HeadTail(4 * self.max_chars), _HeadTail(4096)
-            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            try:
-                # The supervisor stops itself at `timeout`; the slack covers start-up and cleanup.
-                _read_until(proc, time.monotonic() + timeout + 5.0, out, err)
-                rc = proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise ToolError(f"sandbox did not stop after {timeout:g}s")
-            finally:
-                proc.stdout.close()
-                proc.stderr.close()
-        finally:
-            if uid is not None:
-                _sweep_world_writable(uid)
-                os.close(uid_fd)  # releases the uid
-            shutil.rmtree(workdir, ignore_errors=True)
-
-        if rc == 124:
-            raise ToolError(f"timeout after {timeout:g}s (the program was killed)")
-        if rc > 128 and rc - 128 in signal.valid_signals():
-            raise ToolError(f"the program was killed by {signal.Signals(rc - 128).name}")
-        if rc != 0:  # the traceback's last line, and where in the program it happened
-            stderr = err.text(4096)
-            lines = [l for l in stderr.splitlines() if l.strip()]
-            where = re.findall(r'main\.py", line (\d+)', stderr)
-            reason = lines[-1].strip()[:300] if lines else f"exit code {rc}"
+            done = self.sandbox.run(code, self.max_chars)
+        except SandboxError as e:
+            raise ToolError(str(e)[:300]) from None
+        if done.timed_out:
+            raise ToolError(f"timeout after {self.sandbox.limits.timeout_s:g}s (the program was killed)")
+        if done.signal:
+            raise ToolError(f"the program was killed by {done.signal}")
+        if done.exit_code != 0:  # the traceback's last line, and where in the program it happened
+            lines = [l for l in done.stderr.splitlines() if l.strip()]
+            where = re.findall(r'main\.py", line (\d+)', done.stderr)
+            reason = lines[-1].strip()[:300] if lines else f"exit code {done.exit_code}"
             raise ToolError(f"line {where[-1]}: {reason}" if where else reason)
-        text = out.text(self.max_chars).rstrip()
+        text = done.stdout.rstrip()
         if not text.strip():
             raise ToolError("the program printed nothing; print the result")
         return text
@@ -463,12 +275,13 @@ class LocalSearch(Tool):
 
 # ----------------------------------------------------------------------------- network tools
 
-def _get(url: str, params: dict | None, timeout: float, **kw) -> requests.Response:
+def _get(url: str, params: dict | None, timeout: float, session=None, **kw) -> requests.Response:
     """GET with our User-Agent; failures become ToolError. The messages never quote the
     request URL: it can hold an API key, and errors end up in prompts and logs."""
     host = urlparse(url).netloc or url[:60]
     try:
-        resp = requests.get(url, params=params, timeout=timeout, headers={"User-Agent": USER_AGENT}, **kw)
+        resp = (session or requests).get(url, params=params, timeout=timeout, headers={"User-Agent": USER_AGENT},
+                                         **kw)
     except requests.Timeout:
         raise ToolError(f"timeout after {timeout:g}s from {host}") from None
     except requests.RequestException as e:
@@ -481,6 +294,120 @@ def _get(url: str, params: dict | None, timeout: float, **kw) -> requests.Respon
         resp.close()
         raise ToolError(f"HTTP {resp.status_code} from {host}" + (f": {message}" if message else ""))
     return resp
+
+
+# A URL that a model wrote must not turn the agent inward: onto this machine's services
+# (a judge, a model server, a database on 127.0.0.1), the local network or a cloud
+# metadata endpoint (169.254.169.254). Every address a fetch would go to is checked:
+# what the name resolves to before the request (so an internal one is never contacted)
+# and the peer the socket actually connected to (so a name that resolves to a public
+# address for our check and to an internal one for the connection, DNS rebinding, is
+# caught too), on the first request and on every redirect, which we follow ourselves.
+# Behind an HTTP proxy the proxy resolves the name and only the first check applies.
+# Not guarded: the API endpoints of the config (wikipedia_url, google_url), which the
+# user chose (a local mirror is legitimate) and of which a model writes only the query.
+
+_MAX_REDIRECTS = 5
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _allow_list(entries) -> tuple[set[str], list]:
+    """tools.url_allow as (host names, networks): an entry that parses as an address or
+    CIDR allows those addresses under any name; any other entry allows that host name."""
+    names, nets = set(), []
+    for entry in entries or ():
+        try:
+            nets.append(ipaddress.ip_network(str(entry), strict=False))
+        except ValueError:
+            names.add(str(entry).lower().rstrip("."))
+    return names, nets
+
+
+def _refusal(ip: str, nets) -> str:
+    """Why a fetch may not go to `ip` ("" = it may)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])  # a scope id (fe80::1%eth0) is no part of the address
+    if addr.version == 6:  # an IPv4 address inside IPv6 is judged as itself (::ffff:127.0.0.1 is loopback)
+        if addr in _NAT64:
+            addr = ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+        else:
+            addr = addr.ipv4_mapped or addr.sixtofour or addr
+    if any(addr in net for net in nets if net.version == addr.version):
+        return ""
+    for kind in ("loopback", "unspecified", "link_local", "private", "multicast", "reserved"):
+        if getattr(addr, "is_" + kind):
+            return f"{addr} is a {kind.replace('_', '-')} address"
+    return "" if addr.is_global else f"{addr} is not a public address"
+
+
+def _refuse(host: str, why: str) -> ToolError:
+    return ToolError(f"refused to fetch from {host}: {why} (tools.url_allow lets a host in)")
+
+
+def _check_host(host: str, port: int, allow: tuple[set[str], list]) -> None:
+    names, nets = allow
+    if host.lower().rstrip(".") in names:
+        return
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        raise ToolError(f"cannot resolve {host}") from None
+    for *_, sockaddr in found:  # every address it resolves to: the client may pick any of them
+        why = _refusal(sockaddr[0], nets)
+        if why:
+            raise _refuse(host, why)
+
+
+def _guarded_session(allow: tuple[set[str], list]) -> requests.Session:
+    """A session whose direct connections refuse a peer outside the allow list."""
+
+    def guarded(base):
+        class Guarded(base):
+            def _new_conn(self):
+                sock = super()._new_conn()
+                if self.host.lower().rstrip(".") not in allow[0]:
+                    why = _refusal(sock.getpeername()[0], allow[1])
+                    if why:  # nothing was sent yet
+                        sock.close()
+                        raise _refuse(self.host, why)
+                return sock
+        return Guarded
+
+    pools = {"http": type("GuardedPool", (urllib3.HTTPConnectionPool,),
+                          {"ConnectionCls": guarded(urllib3.connection.HTTPConnection)}),
+             "https": type("GuardedPool", (urllib3.HTTPSConnectionPool,),
+                           {"ConnectionCls": guarded(urllib3.connection.HTTPSConnection)})}
+
+    class Adapter(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = pools
+
+    session = requests.Session()
+    for scheme in ("http://", "https://"):
+        session.mount(scheme, Adapter())
+    return session
+
+
+def _guarded_get(url: str, timeout: float, allow_entries) -> tuple[str, requests.Response]:
+    """(final URL, streamed response) of a GET to a model-written URL, redirects followed
+    by hand so that every hop is checked."""
+    allow = _allow_list(allow_entries)
+    with _guarded_session(allow) as session:
+        for _ in range(_MAX_REDIRECTS + 1):
+            parts = urlparse(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ToolError(f"not an http(s) URL: {url[:100]}")
+            try:
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+            except ValueError:
+                raise ToolError(f"bad port in {url[:100]}") from None
+            _check_host(parts.hostname, port, allow)
+            resp = _get(url, None, timeout, session=session, stream=True, allow_redirects=False)
+            if not resp.is_redirect:
+                return url, resp
+            url = urljoin(url, resp.headers["Location"])
+            resp.close()
+    raise ToolError(f"more than {_MAX_REDIRECTS} redirects")
 
 
 def _api_error(data) -> str:
@@ -616,7 +543,7 @@ class WebSearch(Tool):
         url = match.group(0).rstrip(".,;:!?)]}")
         question = (command[:match.start()] + " " + command[match.start() + len(url):]).strip()
         timeout, max_bytes = float(self.cfg["web_timeout_s"]), int(self.cfg["web_max_bytes"])
-        resp = _get(url, None, timeout, stream=True)
+        url, resp = _guarded_get(url, timeout, self.cfg["url_allow"])
         with resp:
             ctype = resp.headers.get("Content-Type", "").lower()
             if not (ctype.startswith("text/") or "html" in ctype or "xml" in ctype):

@@ -46,6 +46,7 @@ from eval import evaluate
 from flow_grpo import LossConfig, build_rows, group_advantages, policy_update, zero_variance_groups
 from judge import Judge, judge_counts
 from report import record_run, write_report
+from sandbox import SandboxError
 from tools import build_tools
 
 
@@ -59,7 +60,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run(cfg)
+    try:
+        run(cfg)
+    except SandboxError as e:  # raised only while the tools are built: this machine cannot run them
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -75,6 +80,8 @@ def run(cfg: dict) -> dict:
     if cfg["model"]["threads"]:
         torch.set_num_threads(cfg["model"]["threads"])
 
+    # The tools first: where the Python sandbox cannot work, the run stops before the model loads.
+    tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are
     # pi_ref for the KL term and also run the executor, verifier and generator.
     model, tok = load_model(cfg["model"]["name"], cfg["model"]["device"], cfg["model"]["dtype"])
@@ -83,8 +90,7 @@ def run(cfg: dict) -> dict:
     optimizer = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])
     warm = max(1, t["warmup_steps"] * t["epochs"] * t["minibatches"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warm))
-    agent = AgentSystem(LLM(model, tok), LLM(ref, tok), build_tools(cfg["agent"]["tools"], cfg["tools"]),
-                        agent_config(cfg["agent"]))
+    agent = AgentSystem(LLM(model, tok), LLM(ref, tok), tools, agent_config(cfg["agent"]))
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=cfg["eval"]["limit"] or None)

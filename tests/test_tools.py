@@ -1,19 +1,15 @@
-"""Tests for tools.py: the Python sandbox against hostile programs, BM25 against its
-formula, and the network tools against a local HTTP server (127.0.0.1, random port)
-that serves recorded-style replies to the real client code.
-
-Some sandbox guarantees hold only when the tests run as root (as in CI), because only
-root can run the program under another uid; those tests are skipped otherwise.
+"""Tests for tools.py: code extraction, BM25 against its formula, and the network tools
+against a local HTTP server (127.0.0.1, random port) that serves recorded-style replies
+to the real client code; Web_Search's refusal of internal addresses. The Python sandbox
+has its own file, tests/test_sandbox.py.
 """
 
 import json
 import math
-import os
 import socket
 import sys
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -24,196 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tools  # noqa: E402
 from memory import cut
-from tools import BM25, ToolResult, build_tools, extract_code, run_tool_calls  # noqa: E402
-
-AS_ROOT = os.geteuid() == 0
-root_only = pytest.mark.skipif(not AS_ROOT, reason="only root can run the program under its own uid")
-POOL = range(tools.DEFAULT_TOOL_CFG["python_sandbox_uid"],
-              tools.DEFAULT_TOOL_CFG["python_sandbox_uid"] + tools._UID_POOL_SIZE)
-
-
-def coder(**cfg) -> tools.PythonCoder:
-    return tools.PythonCoder({"python_timeout_s": 2, **cfg})
-
-
-def survivors(marker: str, uids=()) -> set[str]:
-    """Processes (zombies included) running as one of `uids` or showing `marker` in their
-    command line or name. Tests compare before/after, so a stray one cannot fail them."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:  # it ended while we looked
-            continue
-        uid = int(status.split("Uid:")[1].split()[0])
-        if uid in uids or marker in cmdline or marker[:15] in status.split("\n")[0]:
-            found.add(f"pid {pid} uid {uid}")
-    return found
-
-
-@pytest.fixture
-def used_uids(monkeypatch):
-    """The sandbox uids handed out during the test (empty when not root)."""
-    uids, take = [], tools._take_uid
-
-    def recording(base):
-        uid, fd = take(base)
-        uids.append(uid)
-        return uid, fd
-
-    monkeypatch.setattr(tools, "_take_uid", recording)
-    return uids
-
-
-# ----------------------------------------------------------------------------- sandbox
-
-def test_sandbox_runs_a_correct_program():
-    r = coder().run("Here you go:\n```python\nimport math\nprint(math.factorial(25))\n```")
-    assert r == ToolResult(output=str(math.factorial(25)))
-
-
-def test_sandbox_errors_are_short_and_useful():
-    assert coder().run("def f(:\n    pass").error.startswith("line 1: SyntaxError")
-    assert coder().run("x = 1\nprint(x / 0)").error == "line 2: ZeroDivisionError: division by zero"
-    assert coder().run("x = 41 + 1").error == "the program printed nothing; print the result"
-    assert coder().run("```python\n```").error == "no code in command"
-
-
-def test_infinite_loop_is_killed_at_the_timeout():
-    start = time.monotonic()
-    r = coder(python_timeout_s=1.5).run("while True:\n    pass")
-    elapsed = time.monotonic() - start
-    assert r.error.startswith("timeout after 1.5s") and r.output == ""
-    assert 1.5 <= elapsed < 1.5 + 2.0
-
-
-def test_memory_bomb_fails_and_we_are_fine():
-    r = coder().run("x = bytearray(4 * 1024**3)\nprint(len(x))")
-    assert r.error == "line 1: MemoryError"
-    assert coder().run("print('still fine')").output == "still fine"
-
-
-@pytest.mark.parametrize("bomb", [
-    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-    "import subprocess, sys\nwhile True:\n    try:\n        subprocess.Popen([sys.executable, '-c', "
-    "'import time; time.sleep(60)', 'MARKER'])\n    except OSError:\n        pass\n",
-])
-def test_fork_bomb_is_contained_and_nothing_survives(bomb, used_uids):
-    marker = f"af{uuid.uuid4().hex[:13]}"  # 15 chars: fits a process name, which forks inherit
-    name_it = f"import ctypes\nctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)\n"  # PR_SET_NAME
-    before = survivors(marker, POOL)
-    start = time.monotonic()
-    r = coder(python_timeout_s=2).run(name_it + bomb.replace("MARKER", marker))
-    assert r.error.startswith("timeout") and time.monotonic() - start < 2 + 3.0
-    assert survivors(marker, used_uids) - before == set()
-    assert coder().run("print(6 * 7)").output == "42"  # the pool uid is usable again
-
-
-@root_only
-def test_a_child_that_leaves_the_process_group_is_killed_too(used_uids):
-    marker = f"escapee-{uuid.uuid4().hex}"
-    code = (f"import os, sys\nif os.fork() == 0:\n    os.setsid()\n"
-            f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
-            f"import time\ntime.sleep(0.3)\nprint('parent done')\n")
-    before = survivors(marker, POOL)
-    r = coder().run(code)
-    assert r.output == "parent done"
-    assert survivors(marker, used_uids) - before == set()
-
-
-def test_environment_holds_none_of_our_variables(monkeypatch):
-    monkeypatch.setenv("AGENTFLOW_TEST_SECRET", "s3cr3t")
-    r = coder(max_output_chars=100_000).run("import os\nprint(dict(os.environ))")
-    assert r.ok and "HOME" in r.output and "s3cr3t" not in r.output and "AGENTFLOW" not in r.output
-
-
-@root_only
-def test_secret_in_our_process_environment_is_unreadable(monkeypatch):
-    monkeypatch.setenv("AGENTFLOW_TEST_SECRET", "s3cr3t")
-    # putenv alone would not show in /proc/<pid>/environ (it holds the environment at exec), so look
-    # at a child started with the secret too: a process of ours that the sandbox could find.
-    import subprocess
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        code = ("import os\nprint(dict(os.environ))\n"
-                f"pids = [os.getppid(), {os.getpid()}, {holder.pid}] + [p for p in os.listdir('/proc') if p.isdigit()]\n"
-                "for pid in pids:\n"
-                "    try:\n        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
-                "    except OSError as e:\n        print(pid, 'denied', e.errno)\n")
-        r = coder(max_output_chars=1_000_000).run(code)
-    finally:
-        holder.kill()
-        holder.wait()
-    assert r.ok and f"{holder.pid} denied" in r.output
-    assert "s3cr3t" not in r.output
-
-
-@root_only
-def test_writing_outside_its_directory_leaves_nothing(tmp_path):
-    outside_tmp = f"/tmp/agentflow-test-{uuid.uuid4().hex}"
-    code = (f"for path in [{str(tmp_path / 'pwned')!r}, {outside_tmp!r}, 'mine.txt']:\n"
-            "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
-            "    except OSError as e:\n        print('refused', path, e.errno)\n")
-    r = coder().run(code)
-    assert f"refused {tmp_path / 'pwned'}" in r.output  # file permissions stop it
-    assert f"wrote {outside_tmp}" in r.output           # /tmp is world-writable: allowed during the run...
-    assert "wrote mine.txt" in r.output
-    assert not (tmp_path / "pwned").exists()
-    assert not os.path.exists(outside_tmp)              # ...but swept away afterwards
-
-
-def test_working_directory_is_fresh_and_removed():
-    r = coder().run("import os\nopen('a.txt', 'w').write('hi')\nprint(os.getcwd(), os.listdir('.'))")
-    workdir = r.output.split()[0]
-    assert "a.txt" in r.output and workdir.startswith(("/tmp", os.environ.get("TMPDIR", "/tmp")))
-    assert not os.path.exists(workdir)
-
-
-def test_file_size_is_limited():
-    r = coder(python_max_file_mb=1).run("open('big', 'wb').write(b'x' * (2 << 20))\nprint('wrote')")
-    assert "File too large" in r.error
-
-
-def test_huge_output_is_capped_keeping_both_ends():
-    r = coder(max_output_chars=300).run("print('START' + 'a' * 5_000_000 + 'THE_END')")
-    assert r.ok and len(r.output) <= 300
-    assert r.output.startswith("START") and r.output.endswith("THE_END") and "...[cut " in r.output
-
-
-def test_output_is_capped_while_reading():
-    buf = tools._HeadTail(keep=100)
-    for _ in range(1000):
-        buf.add(b"0123456789" * 100)
-    assert buf.total == 1_000_000 and len(buf.head) == len(buf.tail) == 100
-    text = buf.text(150)
-    assert len(text) <= 150 and text.startswith("0123") and text.endswith("789")
-    assert "...[cut 999" in text  # the count covers what was dropped while reading
-
-
-def test_endless_printing_times_out():
-    start = time.monotonic()
-    r = coder(python_timeout_s=1).run("while True:\n    print('y' * 1000)")
-    assert r.error.startswith("timeout") and time.monotonic() - start < 1 + 2.0
-
-
-def test_run_tool_calls_is_concurrent_and_keeps_order():
-    calls = [(coder(), f"import time\ntime.sleep(1)\nprint({i})") for i in range(4)]
-
-    class Broken(tools.Tool):
-        name = "Broken"
-
-        def run(self, command):
-            raise RuntimeError("boom")
-
-    calls.append((Broken(), "x"))
-    start = time.monotonic()
-    results = run_tool_calls(calls)
-    assert time.monotonic() - start < 3.0  # one after another would take 4 s
-    assert [r.output for r in results[:4]] == ["0", "1", "2", "3"]
-    assert not results[4].ok and "boom" in results[4].error
-    assert run_tool_calls([]) == []
-
+from tools import BM25, build_tools, extract_code  # noqa: E402
 
 # ----------------------------------------------------------------------------- extract_code, cut
 
@@ -322,11 +129,13 @@ class _Handler(BaseHTTPRequestHandler):
         params = {k: v[0] for k, v in parse_qs(url.query).items()}
         self.server.seen.append((url.path, params, self.headers.get("User-Agent", "")))
         route = self.server.routes.get(url.path)
-        status, ctype, body, delay = route(params) if route else (404, "text/html", b"<h1>Not Found</h1>", 0)
+        status, ctype, body, delay, *headers = route(params) if route else (404, "text/html", b"<h1>Not Found</h1>", 0)
         time.sleep(delay)
         body = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", ctype)
+        for name, value in (headers[0] if headers else {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -342,16 +151,29 @@ class _Server(ThreadingHTTPServer):
         pass  # the client hung up (timeout test): expected
 
 
+def _serve(host: str) -> _Server:
+    srv = _Server((host, 0), _Handler)
+    srv.routes, srv.seen = {}, []
+    srv.url = f"http://{host}:{srv.server_address[1]}"
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return srv
+
+
 @pytest.fixture
 def server(monkeypatch):
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.routes, srv.seen = {}, []
-    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,127.0.0.2,localhost")
+    srv = _serve("127.0.0.1")
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def other_server(server):
+    """A second server on another loopback address (Linux routes all of 127/8 to lo)."""
+    srv = _serve("127.0.0.2")
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -442,7 +264,7 @@ PAGE = ("<html><head><title>Towers</title><style>.zebra { color: red }</style>"
 
 def test_web_search_ranks_the_relevant_chunk_first(server):
     server.routes["/page"] = lambda p: (200, "text/html; charset=utf-8", PAGE.encode(), 0)
-    tool = tools.WebSearch({"search_top_k": 2})
+    tool = tools.WebSearch({"search_top_k": 2, "url_allow": ["127.0.0.1"]})
     r = tool.run(f"Read {server.url}/page. When was the Eiffel Tower completed?")
     assert r.ok and "completed in 1889 for the World's Fair" in r.output.splitlines()[0]
     page_text = tools.html_to_text(PAGE)
@@ -451,10 +273,98 @@ def test_web_search_ranks_the_relevant_chunk_first(server):
 
 
 def test_web_search_failures(server):
-    tool = tools.WebSearch()
+    tool = tools.WebSearch({"url_allow": ["127.0.0.1"]})
     assert tool.run(f"{server.url}/missing what?").error.startswith("HTTP 404 from")
     server.routes["/file.bin"] = lambda p: (200, "application/octet-stream", b"\x00\x01" * 100, 0)
     assert "unsupported content type 'application/octet-stream'" in tool.run(f"{server.url}/file.bin what?").error
     server.routes["/empty"] = lambda p: (200, "text/html", b"<html><script>x = 1</script></html>", 0)
     assert "no text on page" in tool.run(f"{server.url}/empty what?").error
     assert tool.run("When was the Eiffel Tower completed?").error == "no URL in command"
+
+
+# ----------------------------------------------------------------------------- Web_Search stays outward
+
+@pytest.mark.parametrize("address, kind", [
+    ("127.0.0.1", "loopback"), ("127.8.9.10", "loopback"), ("::1", "loopback"), ("::ffff:127.0.0.1", "loopback"),
+    ("10.1.2.3", "private"), ("172.16.0.1", "private"), ("192.168.1.1", "private"), ("fd00::1", "private"),
+    ("169.254.169.254", "link-local"), ("fe80::1%2", "link-local"), ("224.0.0.251", "multicast"),
+    ("ff02::1", "multicast"), ("0.0.0.0", "unspecified"), ("::", "unspecified"), ("240.0.0.1", "private"),
+    ("100.64.0.1", "not a public"), ("64:ff9b::a9fe:a9fe", "link-local"), ("2002:7f00:1::", "loopback"),
+    ("93.184.216.34", ""), ("2606:2800:220:1:248:1893:25c8:1946", ""),
+])
+def test_internal_addresses_are_refused(address, kind):
+    why = tools._refusal(address, [])
+    assert (kind in why) if kind else why == ""
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:{port}/page", "http://localhost:{port}/page", "http://[::1]:{port}/page",
+    "http://[::ffff:127.0.0.1]:{port}/page", "http://2130706433:{port}/page", "http://0x7f.1:{port}/page",
+    "http://0.0.0.0:{port}/page", "http://10.0.0.1/page", "http://192.168.0.1/", "http://172.16.0.1/",
+    "http://169.254.169.254/latest/meta-data/", "http://[fe80::1]/", "http://224.0.0.1/",
+])
+def test_web_search_refuses_internal_urls(server, url):
+    server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
+    start = time.monotonic()
+    r = tools.WebSearch().run(url.format(port=server.server_address[1]) + " what is the secret?")
+    assert r.error.startswith("refused to fetch from ") and "url_allow" in r.error
+    assert server.seen == [] and time.monotonic() - start < 1.0  # refused before connecting, not timed out
+
+
+def test_the_allow_list_lets_hosts_and_networks_in(server):
+    server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal but allowed</p>", 0)
+    port = server.server_address[1]
+    for allow in (["127.0.0.1"], ["127.0.0.0/8"], ["localhost"]):
+        host = "localhost" if allow == ["localhost"] else "127.0.0.1"
+        r = tools.WebSearch({"url_allow": allow}).run(f"http://{host}:{port}/page what?")
+        assert r.output == "internal but allowed", allow
+    assert tools.WebSearch({"url_allow": ["localhost"]}).run(f"http://127.0.0.1:{port}/page what?").error
+
+
+def test_redirects_are_checked_at_every_hop(server, other_server):
+    """The allowed server (127.0.0.2) redirects; a hop to a refused address is never made."""
+    allowed = tools.WebSearch({"url_allow": ["127.0.0.2/32"]})
+    other_server.routes["/page"] = lambda p: (200, "text/html", b"<p>the page</p>", 0)
+    other_server.routes["/here"] = lambda p: (302, "text/html", b"", 0, {"Location": "/page"})
+    assert allowed.run(f"{other_server.url}/here what?").output == "the page"
+    server.routes["/secret"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
+    for target in (f"{server.url}/secret", "http://169.254.169.254/latest/meta-data/",
+                   f"http://localhost:{server.server_address[1]}/secret"):
+        other_server.routes["/away"] = lambda p: (301, "text/html", b"", 0, {"Location": target})
+        r = allowed.run(f"{other_server.url}/away what?")
+        assert r.error.startswith("refused to fetch from ") and server.seen == []
+    other_server.routes["/loop"] = lambda p: (307, "text/html", b"", 0, {"Location": "/loop"})
+    assert allowed.run(f"{other_server.url}/loop what?").error == "more than 5 redirects"
+    other_server.routes["/ftp"] = lambda p: (302, "text/html", b"", 0, {"Location": "ftp://example.org/"})
+    assert allowed.run(f"{other_server.url}/ftp what?").error.startswith("not an http(s) URL")
+
+
+def test_dns_rebinding_is_caught_at_connect(server, monkeypatch):
+    """A name that resolves to a public address for the check and to 127.0.0.1 for the
+    connection: the socket's peer is what counts."""
+    real, answers = socket.getaddrinfo, iter(["93.184.216.34"])
+
+    def rebinding(host, port, *args, **kwargs):
+        if host != "rebind.test":
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers, "127.0.0.1"), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
+    r = tools.WebSearch().run(f"http://rebind.test:{server.server_address[1]}/page what?")
+    assert r.error.startswith("refused to fetch from rebind.test: 127.0.0.1 is a loopback address")
+    assert server.seen == []
+
+
+def test_the_allow_list_is_a_config_key():
+    from config import load_config
+    cfg = load_config(None, ["tools.url_allow=[127.0.0.1, 10.0.0.0/8, intranet.example]"])
+    assert cfg["tools"]["url_allow"] == ["127.0.0.1", "10.0.0.0/8", "intranet.example"]
+    assert tools._allow_list(cfg["tools"]["url_allow"])[0] == {"intranet.example"}
+
+
+def test_configured_api_endpoints_are_not_guarded(server):
+    """wikipedia_url and google_url come from the user's config, not from a model (the
+    Wikipedia tests above run against 127.0.0.1 with no allow list)."""
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", {"query": {"search": []}}, 0)
+    assert "no Wikipedia article" in wiki(server).run("xyzzy").error and server.seen
