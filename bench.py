@@ -43,7 +43,6 @@ Figures move with the machine's load: the '#' header says what it was.
 
 import argparse
 import copy
-import json
 import os
 import time
 from unittest.mock import patch
@@ -54,6 +53,7 @@ from transformers import DynamicCache
 import agentflow
 import speedups
 from agentflow import LLM, PLANNER_SYSTEM, SamplingParams, load_model
+from benchmarks import read_jsonl
 from config import load_config
 from eval import build_agent
 from tools import TOOL_CLASSES, build_tools
@@ -102,8 +102,7 @@ def clock(device: str, fn, repeat: int = 1) -> float:
 
 
 def read_questions(path: str, n: int) -> list[str]:
-    with open(path) as f:
-        return [json.loads(line)["question"] for line in f if line.strip()][:n]
+    return [row["question"] for row in read_jsonl(path, strict=True)][:n]
 
 
 def generate(llm: LLM, prompts: list[list[int]], new: int, seed: int = 0):

@@ -1238,6 +1238,8 @@ def provenance(cfg: dict) -> dict:
     import torch
     import transformers
 
+    import speedups
+
     def git(*args):
         try:
             done = subprocess.run(["git", *args], cwd=ASSETS, capture_output=True, text=True, timeout=10)
@@ -1248,19 +1250,11 @@ def provenance(cfg: dict) -> dict:
     commit = git("rev-parse", "HEAD")
     if commit and git("status", "--porcelain", "--untracked-files=no"):
         commit += " dirty"  # tracked files differ from that commit: the numbers may not reproduce from it
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     device = cfg_get(cfg, "model.device", "auto")
     gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
     return {"seed": cfg_get(cfg, "seed"), "git_commit": commit, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": cpu or platform.processor() or platform.machine(),
+            "cpu": speedups.cpu_name(),
             # The SIMD level torch dispatches its CPU kernels to (AVX2, AVX512, ...): two
             # machines with the same CPU name can still sum floats in another order.
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),

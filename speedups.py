@@ -364,13 +364,19 @@ def _choices_path() -> Path:
     return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow")) / "engine.json"
 
 
+def cpu_name() -> str:
+    """The model name of this machine's first CPU (what decides, e.g., which matmul layout
+    its BLAS runs faster), or what the platform says where /proc/cpuinfo has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def _machine_key(model) -> str:
     p = next(model.parameters())
-    cpu = platform.processor() or platform.machine()
-    try:  # the model name of the first CPU: what decides which layout its BLAS runs faster
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     if p.device.type == "cuda":
         cpu = torch.cuda.get_device_name(p.device)
     c = model.config
