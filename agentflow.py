@@ -29,6 +29,7 @@ the executor's prompt depends on the chosen tool; prompts are written for small 
 (tool cards and memory are the bulk, so both are kept tight).
 """
 
+import copy
 import importlib.util
 import os
 import re
@@ -450,7 +451,7 @@ class AgentConfig:
     default and comment: the one home of those facts)."""
     max_turns: int  # T_max
     constrain_tool: bool  # the planner's first token must begin a tool name
-    force_tool: str  # if set, every planner action begins with this tool (measurement only)
+    force_tool: str  # "A" or "A,B,...": turn t's action begins with the t-th tool (measurement only)
     code_start: str  # text every Python_Coder input is forced to begin with, e.g. "print("
     memory_budget_chars: int
     result_chars: int
@@ -484,12 +485,14 @@ class AgentSystem:
         # tool names (" Python", " Local", ...): the policy over tools becomes a softmax
         # over those few tokens, and the trainer applies the same restriction
         # (flow_grpo.token_logprobs), so log-probs still match exactly.
-        # With force_tool (eval.py --force-tool), the only allowed first token is that
-        # tool's: what each tool choice is worth, the yardstick for a trained planner.
-        first = {planner.tok.encode(" " + n, add_special_tokens=False)[0]
-                 for n in ([cfg.force_tool] if cfg.force_tool else self.tool_names)}
-        self.planner_params = replace(cfg.planner, first_tokens=tuple(sorted(first))
-                                      if cfg.constrain_tool or cfg.force_tool else ())
+        first_token = {n: planner.tok.encode(" " + n, add_special_tokens=False)[0] for n in self.tool_names}
+        self.planner_params = replace(cfg.planner, first_tokens=tuple(sorted(set(first_token.values())))
+                                      if cfg.constrain_tool else ())
+        # With force_tool (eval.py --force-tool), the only allowed first token at turn t is
+        # the t-th tool of the list (the last one for later turns): what each plan of tool
+        # choices is worth, the yardstick for a trained planner. Measurement only.
+        forced = [n.strip() for n in cfg.force_tool.split(",") if n.strip()]
+        self.forced_params = [replace(cfg.planner, first_tokens=(first_token[n],)) for n in forced]
         # The verifier's verdict is the first token of its reply, forced to " STOP" or
         # " CONTINUE" (greedy: whichever the frozen model finds likelier).
         self.stop_token, self.continue_token = (frozen.tok.encode(w, add_special_tokens=False)[0]
@@ -499,6 +502,14 @@ class AgentSystem:
         self.executor_system = EXECUTOR_SYSTEM.format(examples="\n\n".join(
             EXECUTOR_USER.format(sub_goal=goal, memory=EMPTY, query=q, tool=t.name) + f"\n{t.input_prefix}{example}"
             for t in tools.values() if t.example for q, goal, example in [t.example]))
+
+    def with_planner_temperature(self, temperature: float) -> "AgentSystem":
+        """The same modules and tools with the planner sampling at `temperature` (0 = greedy),
+        its tool choice included: how held-out evaluation runs the policy."""
+        other = copy.copy(self)
+        other.planner_params = replace(self.planner_params, temperature=temperature, first_temperature=0.0)
+        other.forced_params = [replace(p, temperature=temperature, first_temperature=0.0) for p in self.forced_params]
+        return other
 
     def rollout(self, queries: list[str], seed: int = 0, max_turns: int | None = None) -> list[Trajectory]:
         """Run every query to a final answer, all trajectories in lockstep.
@@ -517,7 +528,9 @@ class AgentSystem:
             prompts = [self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
                 query=tr.query, memory=tr.memory.render(), turn=turn, max_turns=T_max), "Tool:")
                 for tr in live]
-            samples = self.planner.sample(prompts, self.planner_params, seed=s)
+            params = (self.forced_params[min(turn, len(self.forced_params)) - 1] if self.forced_params
+                      else self.planner_params)
+            samples = self.planner.sample(prompts, params, seed=s)
             plans = []
             for tr, p, smp in zip(live, prompts, samples):
                 tr.turns.append(PlannerTurn(p, smp.ids, smp.logprobs, smp.text))

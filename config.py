@@ -33,7 +33,7 @@ DEFAULTS = {
         "tools": ["Base_Generator", "Python_Coder", "Local_Search"],  # the toolset K
         "max_turns": 3,  # T_max while training (paper: 3; up to 10 at test)
         "constrain_tool": True,  # the planner's first token must begin a tool name (agentflow.py)
-        "force_tool": "",  # measurement: every planner action picks this tool (eval.py --force-tool)
+        "force_tool": "",  # measurement: "A" or "A,B": turn t's action picks the t-th tool (eval.py --force-tool)
         "code_start": "",  # text every Python_Coder input must begin with ("print(" for a 135M model)
         "memory_budget_chars": 1200,  # cap on the rendered memory block
         "result_chars": 400,  # cap on one tool result in memory
@@ -191,8 +191,8 @@ def _check_combinations(cfg: dict) -> None:
             near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
             hint = f"did you mean {near[0]}? " if near else ""
             raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}")
-    if a["force_tool"] and a["force_tool"] not in a["tools"]:
-        raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, which is not in agent.tools "
+    if any(n.strip() not in a["tools"] for n in a["force_tool"].split(",") if a["force_tool"]):
+        raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, naming a tool that is not in agent.tools "
                           f"({', '.join(a['tools'])}); name one of those or leave it empty")
 
 

@@ -16,12 +16,10 @@ id is already in results.jsonl are skipped, so an interrupted evaluation loses n
 """
 
 import argparse
-import copy
 import json
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -39,9 +37,7 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
     planner_temperature: if given, the planner samples at this temperature here instead
     of its training one; 0 = greedy, the policy's most likely action (config eval.*)."""
     if planner_temperature is not None:
-        agent = copy.copy(agent)  # the same modules and tools, other planner sampling
-        agent.planner_params = replace(agent.planner_params, temperature=planner_temperature,
-                                       first_temperature=0.0)  # the tool choice too
+        agent = agent.with_planner_temperature(planner_temperature)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
@@ -110,6 +106,27 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
+def turn_sweep(planners: dict, items: list[Item], budgets: list[int], out_dir: Path, **kw) -> dict:
+    """Accuracy as a function of the test-time turn budget (paper, Sec. 4: accuracy rises
+    with the budget), for each planner: {"budgets", "planners": {label: {budget: summary}}}.
+    kw: evaluate's batch_size, seed, planner_temperature, judge."""
+    result = {"budgets": budgets, "planners": {}}
+    for label, agent in planners.items():
+        name = label.split(" ")[0]
+        result["planners"][label] = {str(T): evaluate(agent, items, out_dir / name / f"turns_{T}", max_turns=T,
+                                                      desc=f"{name}, {T} turns", **kw) for T in budgets}
+    return result
+
+
+def print_sweep(sweep: dict) -> None:
+    kinds = sorted({k for per in sweep["planners"].values() for s in per.values() for k in s.get("by_kind", {})})
+    print(f"\n{'planner':24s}{'turns':>6s}{'all':>8s}" + "".join(f"{k:>12s}" for k in kinds) + f"{'mean turns':>12s}")
+    for label, per in sweep["planners"].items():
+        for T, s in per.items():
+            print(f"{label:24.24s}{T:>6s}{s['accuracy']:8.3f}" +
+                  "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
+
+
 def build_agent(cfg: dict, model_path: str | None = None):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
     or the configured model; executor, verifier and generator always the configured one."""
@@ -139,6 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a trained planner checkpoint (default: the config's model)")
     ap.add_argument("--force-tool", default="", help="every planner action picks this tool: what "
                     "each tool choice is worth (the README's table)")
+    ap.add_argument("--sweep", default="", help="turn budgets, e.g. 1,2,3: the paper's test-time analysis. "
+                    "Evaluates the configured (frozen) planner and, with --model, the trained one at each "
+                    "budget; prints the table and writes OUT_DIR/turn_sweep.json (the run's report shows it)")
     ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
@@ -158,6 +178,23 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
+    e = cfg["eval"]
+    if args.sweep:
+        from agentflow import AgentSystem
+
+        budgets = [int(b) for b in args.sweep.split(",")]
+        planners = {"frozen": AgentSystem(agent.frozen, agent.frozen, agent.tools, agent.cfg)}
+        if args.model:
+            planners[f"trained ({Path(args.model).name})"] = agent
+        sweep = turn_sweep(planners, items, budgets, Path(out).parent / f"sweep_{Path(args.benchmark).stem}",
+                           batch_size=args.batch_size or e["batch_size"], seed=e["seed"],
+                           planner_temperature=e["planner_temperature"], judge=judge)
+        path = Path(cfg["out_dir"]) / "turn_sweep.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sweep, indent=2) + "\n")
+        print_sweep(sweep)
+        print(f"written to {path}")
+        return 0
     t0 = time.time()
     summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],
                        max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"],

@@ -98,7 +98,7 @@ def test_force_tool_and_code_start(tiny_llm):
     command that runs. A random tiny model would otherwise pick any tool and any code."""
     agent = make_agent(tiny_llm, max_turns=2, force_tool="Python_Coder", code_start="print(")
     forced = tiny_llm.tok.encode(" Python_Coder", add_special_tokens=False)[0]
-    assert agent.planner_params.first_tokens == (forced,)
+    assert [p.first_tokens for p in agent.forced_params] == [(forced,)]
     trajs = agent.rollout(["Compute 48213 * 9127.", "When was Velmora founded?"], seed=5)
     records = [r for tr in trajs for r in tr.memory.records]
     assert records and all(r.tool == "Python_Coder" for r in records)
