@@ -138,3 +138,17 @@ def test_cli_fails_in_one_line_before_loading_a_model(capsys, tmp_path):
                             "--model", str(tmp_path / "none"), *DATA]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--model" in err
+
+
+def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch):
+    """The one-GPU config's web tools: Google through Serper (the key named), Wikipedia
+    with a contact address; each missing piece stops it in one line, before any model."""
+    paper = ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"
+    monkeypatch.delenv("SERPER_API_KEY", raising=False)
+    c = cfg(path=paper)
+    assert {"Google_Search", "Wikipedia_Search", "Web_Search"} <= set(c["agent"]["tools"])
+    assert c["tools"]["google_provider"] == "serper" and c["tools"]["serper_key_env"] == "SERPER_API_KEY"
+    fails(c, "SERPER_API_KEY", "export SERPER_API_KEY")
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    fails(c, "tools.contact")
+    preflight(cfg("tools.contact=me@example.org", path=paper))
