@@ -101,7 +101,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage_mode": ("trajectory", "turn_rows"),
     "tools.python_isolation": ("namespaces", "rlimits"),
-    "tools.google_provider": ("serper", "cse"),
+    "tools.google_provider": TOOL_CLASSES["Google_Search"].PROVIDERS,
 }
 
 
