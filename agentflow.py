@@ -551,7 +551,7 @@ class AgentSystem:
             for i, (tr, pl) in enumerate(zip(live, plans)):
                 r = result_of.get(i)
                 tr.memory.add(pl.sub_goal, pl.tool, commands.get(i, ""), r.output if r else "",
-                              pl.error or (r.error if r else ""))
+                              pl.error or (r.error if r else ""), infra=bool(r and r.infra))
 
             # Verifier: v^t = V(q, e^t, M^t), one batched call; the last turn needs none.
             if turn < T_max:

@@ -28,6 +28,7 @@ meta["raw_question"].
 """
 
 import ast
+import gzip
 import json
 import re
 from dataclasses import dataclass, field
@@ -64,32 +65,39 @@ class Item:
 
 def read_jsonl(path, strict: bool = False) -> list[dict]:
     """The JSON objects of a .jsonl file, one per line (blank lines skipped); the one
-    JSONL reader of the project.
+    JSONL reader of the project (iter_jsonl reads the same lines one at a time).
 
     strict, for data files: a missing file or a line that is not a JSON object is an
     error that names the line. Not strict, for the files a run writes, which an
     interrupted run can leave cut mid-line: a missing file reads as empty, a bad line
     is skipped (eval.py then runs that item again)."""
+    return list(iter_jsonl(path, strict))
+
+
+def iter_jsonl(path, strict: bool = False):
+    """read_jsonl one row at a time, for files too large to hold (a 21M-passage corpus);
+    a .gz file is read through gzip. Lines end at a newline only: a JSON string may hold
+    a raw U+2028, which str.splitlines would take for a line end."""
     path = Path(path)
     if not path.exists():
         if strict:
             raise FileNotFoundError(f"file not found: {path}")
-        return []
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if strict:
-                raise ValueError(f"{path}: line {n} is not valid JSON: {e}") from None
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        elif strict:
-            raise ValueError(f"{path}: line {n} is a {type(row).__name__}, expected a JSON object")
-    return rows
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if strict:
+                    raise ValueError(f"{path}: line {n} is not valid JSON: {e}") from None
+                continue
+            if isinstance(row, dict):
+                yield row
+            elif strict:
+                raise ValueError(f"{path}: line {n} is a {type(row).__name__}, expected a JSON object")
 
 
 def _read_rows(path: Path) -> list:

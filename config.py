@@ -5,7 +5,7 @@
 key, a value of the wrong type, an unknown tool or an impossible combination fails at
 once with the key's name and what is allowed. Every key the code reads is listed here,
 once. `preflight(cfg)` then checks what lies outside the file - data paths, the model
-name, API keys in the environment - so that train.py and eval.py fail in one line
+name, API keys in the environment, the contact address Wikimedia asks for - so that train.py and eval.py fail in one line
 before any model is loaded (minutes at 7B), not with a traceback after.
 """
 
@@ -14,10 +14,11 @@ import difflib
 import os
 import re
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 
-from tools import DEFAULT_TOOL_CFG, TOOL_CLASSES
+from tools import DEFAULT_TOOL_CFG, TOOL_CLASSES, is_wikimedia
 
 DEFAULTS = {
     "seed": 0,  # one seed drives data order, sampling and initialisation
@@ -100,6 +101,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage_mode": ("trajectory", "turn_rows"),
     "tools.python_isolation": ("namespaces", "rlimits"),
+    "tools.google_provider": TOOL_CLASSES["Google_Search"].PROVIDERS,
 }
 
 
@@ -235,8 +237,8 @@ def _env_missing(names) -> list[str]:
 
 def preflight(cfg: dict, data: bool = True, model_paths: tuple[str, ...] = ()) -> None:
     """Fail in one line, with the fix, on a missing data or corpus file, a model name that
-    is neither a folder nor a hub id, or an API key a configured tool or judge needs but
-    the environment lacks. data=False skips data.* (eval.py reads --benchmark instead);
+    is neither a folder nor a hub id, an API key a configured tool or judge needs but
+    the environment lacks, or Wikipedia_Search without a contact address. data=False skips data.* (eval.py reads --benchmark instead);
     model_paths are further models to check (eval.py --model)."""
     if data:
         for split in ("train", "heldout"):
@@ -245,18 +247,28 @@ def preflight(cfg: dict, data: bool = True, model_paths: tuple[str, ...] = ()) -
                 raise ConfigError(f"data.{split}: {path} not found; build the paper's mix with "
                                   f"`python prepare_data.py train`, the offline suite with `python tasks.py`, "
                                   f"or set data.{split}=PATH to a JSONL file")
-    tools = cfg["agent"]["tools"]
-    if "Local_Search" in tools and not Path(cfg["tools"]["corpus"]).is_file():
-        raise ConfigError(f"tools.corpus: {cfg['tools']['corpus']} not found (Local_Search reads it); "
+    tools, tc = cfg["agent"]["tools"], cfg["tools"]
+    if "Local_Search" in tools and tc["corpus_index"]:
+        if not (Path(tc["corpus_index"]) / "meta.json").is_file():
+            raise ConfigError(f"tools.corpus_index: {tc['corpus_index']} is not a built index (no meta.json); "
+                              f"build it with `python retriever.py build CORPUS {tc['corpus_index']}`")
+    elif "Local_Search" in tools and not Path(tc["corpus"]).is_file():
+        raise ConfigError(f"tools.corpus: {tc['corpus']} not found (Local_Search reads it); "
                           f"regenerate it with `python tasks.py` or set tools.corpus=PATH")
     check_model_name("model.name", cfg["model"]["name"])
     for p in model_paths:
         check_model_name("--model", p)
     for name in tools:
-        missing = _env_missing(getattr(TOOL_CLASSES.get(name), "required_env", ()))
+        missing = _env_missing(TOOL_CLASSES[name].required_env(tc))
         if missing:
-            raise ConfigError(f"agent.tools: {name} needs {' and '.join(missing)} in the environment; "
+            where = f" (tools.google_provider is {tc['google_provider']})" if name == "Google_Search" else ""
+            raise ConfigError(f"agent.tools: {name} needs {' and '.join(missing)} in the environment{where}; "
                               f"export {missing[0]}=..., or drop {name} from agent.tools")
+    wikimedia = is_wikimedia(urlparse(tc["wikipedia_url"]).hostname)  # (a local mirror has its own rules)
+    if "Wikipedia_Search" in tools and wikimedia and not tc["contact"].strip():
+        raise ConfigError("tools.contact is empty: Wikimedia's User-Agent policy asks automated clients for a way to "
+                          "reach their operator; set tools.contact=you@example.org (an email address or a URL), "
+                          "or drop Wikipedia_Search from agent.tools")
     j = cfg["judge"]
     if j["llm"] and j["base_url"]:
         if not re.match(r"^https?://", j["base_url"]):

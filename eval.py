@@ -10,6 +10,13 @@ crashed problems from the denominator), and scoring is rule-based first, with an
 judge for what the rules reject when the config's judge.llm is on (judge.py); each
 result row says which judge decided.
 
+An item whose trajectory met an infrastructure failure (a tool that failed after its
+retries for reasons the model did not cause: tools.py) keeps its verdict and stays in
+the denominator: leaving it out would drop exactly the items where the tools failed and
+flatter the accuracy, as dropping crashed problems does. Its row counts the failures
+(infra_failures), and the summary gives how many items had one and the accuracy over
+the others (accuracy_without_infra), so a reader sees what the outage cost.
+
 Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
 tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
 id is already in results.jsonl are skipped, so an interrupted evaluation loses nothing.
@@ -81,15 +88,19 @@ def _row(item: Item, traj, verdict: dict, crash: str) -> dict:
             "judge": verdict.get("judge", "rule"), "judge_error": verdict.get("judge_error", ""),
             "turns": len(records), "tools": [r.tool for r in records if r.tool],
             "tool_calls": sum(1 for r in records if r.tool),
-            "tool_errors": sum(1 for r in records if r.tool and r.error),
+            "tool_errors": sum(1 for r in records if r.tool and r.error and not r.infra),  # the model's
+            "infra_failures": sum(1 for r in records if r.infra),
             "errors": [r.error for r in records if r.error] + ([crash] if crash else []),
             "trajectory": traj.to_dict() if traj else None}
 
 
 def summarize(rows: list[dict]) -> dict:
-    """accuracy, n, mean turns, tool-usage shares, tool-call error rate; overall and per task kind."""
+    """accuracy, n, mean turns, tool-usage shares, tool-call error rate, items with an
+    infrastructure failure; overall and per task kind."""
     def block(rs):
         n = len(rs)
+        hit = [r for r in rs if r.get("infra_failures")]  # items whose tools failed us (rows of older runs lack it)
+        clean = [r for r in rs if not r.get("infra_failures")]
         calls = Counter(t for r in rs for t in r["tools"])
         n_calls = sum(calls.values())
         return {"accuracy": sum(r["correct"] for r in rs) / n if n else 0.0, "n": n,
@@ -97,7 +108,9 @@ def summarize(rows: list[dict]) -> dict:
                 "mean_turns": sum(r["turns"] for r in rs) / n if n else 0.0,
                 "tool_shares": {t: c / n_calls for t, c in sorted(calls.items())},
                 "tool_error_rate": sum(r["tool_errors"] for r in rs) / n_calls if n_calls else 0.0,
-                "crashed": sum(1 for r in rs if any(e.startswith(("crashed", "judge crashed")) for e in r["errors"]))}
+                "crashed": sum(1 for r in rs if any(e.startswith(("crashed", "judge crashed")) for e in r["errors"])),
+                "infra_failures": len(hit), "accuracy_without_infra": sum(r["correct"] for r in clean) / len(clean)
+                if clean else None}
     summary = block(rows)
     summary["judge"] = judge_counts(rows)  # who decided: rules, the LLM, LLM calls with no verdict
     tasks = sorted({r.get("task") or "" for r in rows} - {""})
@@ -202,6 +215,10 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=2))
     print(f"accuracy {summary['accuracy']:.3f} on {summary['n']} items in {time.time() - t0:.0f}s; "
           f"results in {out}/results.jsonl")
+    if summary["infra_failures"]:
+        print(f"note: {summary['infra_failures']} items met an infrastructure failure (a tool failed after its "
+              f"retries; they count, as scored); accuracy without them "
+              f"{summary['accuracy_without_infra'] if summary['accuracy_without_infra'] is not None else '-'}")
     return 0
 
 

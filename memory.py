@@ -54,6 +54,9 @@ class TurnRecord:
     result: str  # the tool's output e^t, already cut to the memory's result budget
     error: str  # "" on success, else why the turn failed (bad plan, tool error, ...)
     verdict: str  # the verifier's v^t: "stop", "continue", or "" if it did not run
+    # The tool failed for infrastructure reasons (network, quota, key; tools.ToolResult.infra),
+    # not the model's: the trainer leaves the trajectory out instead of scoring it. Not rendered.
+    infra: bool = False
 
     def render(self) -> str:
         lines = [f"Turn {self.turn}: {self.tool or 'no tool'} - {self.sub_goal or '(no sub-goal)'}"]
@@ -73,11 +76,11 @@ class Memory:
     records: list[TurnRecord] = field(default_factory=list)
 
     def add(self, sub_goal: str, tool: str, command: str, result: str, error: str = "",
-            verdict: str = "") -> TurnRecord:
+            verdict: str = "", infra: bool = False) -> TurnRecord:
         """f_mem: append this turn's record. Deterministic: no clock, no randomness."""
         rec = TurnRecord(turn=len(self.records) + 1, sub_goal=cut(sub_goal.strip(), 200), tool=tool,
                          command=cut(command.strip(), 300), result=cut(result.strip(), self.result_chars),
-                         error=cut(error.strip(), 200), verdict=verdict)
+                         error=cut(error.strip(), 200), verdict=verdict, infra=infra)
         self.records.append(rec)
         return rec
 

@@ -1,20 +1,31 @@
 """
 The toolset K of AgentFlow (paper section 1): the six tools, the short cards the
-planner reads to choose among them, and the sandbox the Python Coder runs code in.
+planner reads to choose among them, and how they reach the network.
 
 Every tool takes one string (the command the executor LLM wrote) and returns a
 ToolResult: the text that goes into memory, already capped, or a short error. A tool
 never raises, so one bad call costs one turn, not the whole batch of trajectories.
 
+Two kinds of failure are kept apart. A tool error is the model's doing (a query with no
+results, code that crashes, a made-up URL that answers 404): it goes into memory and
+the reward judges it. An infrastructure failure is not (a 429 or a 5xx after every
+retry, a timeout, a refused or missing API key): the result says so (`infra`), and
+train.py leaves such a trajectory out of the update instead of scoring it 0, so the
+planner never learns to avoid a tool because a quota ran out. Network calls are
+retried with backoff, honouring Retry-After (_request); identical commands are answered
+from a per-tool cache (search tools only), so the G rollouts of a query that search
+the same thing send one request.
+
 Where this departs from the official code:
 - Its Python tool runs model code twice, in-process, unsandboxed, with a timeout that
   cannot interrupt it. Here the code runs once, in its own process, under a supervisor
-  that enforces a wall-clock limit and leaves no process behind (below).
+  that enforces a wall-clock limit and leaves no process behind (sandbox.py).
 - It pastes tool output into prompts uncapped. Here every output is cut to
   `max_output_chars` with a visible "...[cut N chars]" marker.
-- Its search tools call paid LLMs. Here Google is the plain Custom Search API,
-  Web_Search ranks page chunks with BM25, and Local_Search (BM25 over a JSONL corpus)
-  is added so the default task runs offline.
+- Its search tools call paid LLMs. Here Google_Search returns Google's results from a
+  results API (Serper by default; Google's own Custom Search JSON API as an option),
+  Web_Search ranks page chunks with BM25, and Local_Search (BM25 over a JSONL corpus,
+  or over an on-disk index of a whole Wikipedia dump, retriever.py) runs offline.
 
 The Python sandbox is sandbox.py: by default each program runs in its own Linux user,
 network, mount, PID and IPC namespaces (no network, a read-only view of little more
@@ -24,16 +35,18 @@ internal addresses (_guarded_get).
 """
 from __future__ import annotations
 
+import contextlib
+import email.utils
 import ipaddress
 import json
-import math
 import os
+import random
 import re
 import socket
 import threading
 import time
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from urllib.parse import urljoin, urlparse
@@ -42,12 +55,15 @@ import requests
 import urllib3
 
 from memory import cut
+from retriever import BM25, DiskBM25, tokenize
 from sandbox import Limits, Sandbox, SandboxError
 
 DEFAULT_TOOL_CFG = {
     "max_output_chars": 600,      # every tool output is cut to this many characters
     "search_top_k": 3,            # passages / pages / results returned by the search tools
     "corpus": "data/corpus.jsonl",  # Local_Search: JSONL rows {"title", "text", optional "id"}
+    "corpus_index": "",           # Local_Search: a folder built by `python retriever.py build` (a whole
+                                  #   Wikipedia dump); when set, it is searched instead of `corpus`
     "python_timeout_s": 5.0,      # Python_Coder: wall-clock limit of one program
     "python_memory_mb": 512,      # Python_Coder: address-space limit (RLIMIT_AS)
     "python_max_procs": 32,       # Python_Coder: processes + threads (RLIMIT_NPROC)
@@ -59,16 +75,52 @@ DEFAULT_TOOL_CFG = {
     "web_timeout_s": 10.0,        # network tools: per-request timeout
     "web_max_bytes": 2_000_000,   # Web_Search: bytes of a page read at most
     "url_allow": [],              # Web_Search: hosts or CIDRs it may fetch although internal, e.g. [10.0.0.0/8]
+    # Retries of a network request on HTTP 429, 5xx, a timeout or a dropped connection. A
+    # request that still fails is an infrastructure failure: the trajectory is left out
+    # of the update (train.py), not scored 0.
+    "retry_attempts": 4,          # tries in all (1 = never retry)
+    "retry_backoff_s": 1.0,       # wait before the 2nd try, doubled for each later one (x 0.5..1, random),
+                                  #   unless the server says how long in Retry-After
+    "retry_max_wait_s": 30.0,     # longest single wait; a server asking for more ends the request at once
+    "retry_total_s": 60.0,        # no new try once this much time has passed since the first
+    "cache_size": 4096,           # search tools: successful replies kept per tool (least recently used
+                                  #   dropped first), answered again for the same command; 0 = off
+    # Wikimedia's User-Agent policy asks automated clients for a way to reach their operator;
+    # Wikipedia_Search refuses to start without it (config.preflight).
+    "contact": "",                # an email address or URL of yours, e.g. "you@example.org"
     "wikipedia_url": "https://en.wikipedia.org/w/api.php",
-    "google_url": "https://www.googleapis.com/customsearch/v1",
+    "wikipedia_maxlag": 5,        # MediaWiki's maxlag (s): it asks non-interactive clients to send it and to
+                                  #   wait when the servers lag; 0 = not sent
+    # Google_Search's provider. Google closed its Custom Search JSON API to new customers
+    # and ends its whole-web search on 2027-01-01, so the default is Serper, a Google
+    # results API anyone can sign up for (serper.dev); cse keeps Google's own API for
+    # those who still have a key.
+    "google_provider": "serper",  # serper | cse
+    "serper_url": "https://google.serper.dev/search",
+    "serper_key_env": "SERPER_API_KEY",  # NAME of the environment variable holding the Serper key
+    "google_url": "https://www.googleapis.com/customsearch/v1",  # cse
+    "cse_key_env": "GOOGLE_API_KEY",     # cse: NAME of the variable holding the API key
+    "cse_id_env": "GOOGLE_CSE_ID",       # cse: NAME of the variable holding the search engine id (cx)
 }
-USER_AGENT = "AgentFlow-from-scratch/0.1 (research agent; python-requests)"
+VERSION = "0.1"
+
+
+def user_agent(contact: str = "") -> str:
+    """Our User-Agent, in the form Wikimedia's policy asks for: client/version
+    (contact information) library/version; "bot" says it is automated. The contact goes
+    only to Wikimedia (see is_wikimedia): a page a model picks need not learn it."""
+    about = f"research bot; {contact}" if contact else "research bot"
+    return f"AgentFlow-from-scratch/{VERSION} ({about}) python-requests/{requests.__version__}"
+
+
+USER_AGENT = user_agent()
 
 
 @dataclass
 class ToolResult:
     output: str      # text stored in memory, already capped
     error: str = ""  # non-empty = the call failed, with a short reason
+    infra: bool = False  # the failure was the infrastructure's (network, quota, key), not the model's
 
     @property
     def ok(self) -> bool:
@@ -76,7 +128,61 @@ class ToolResult:
 
 
 class ToolError(Exception):
-    """A failure with a message fit for the memory (raised inside tools, never out of run)."""
+    """A failure with a message fit for the memory (raised inside tools, never out of run).
+    infra=True: the call failed for reasons the model did not cause."""
+
+    def __init__(self, message: str, infra: bool = False):
+        super().__init__(message)
+        self.infra = infra
+
+
+class ReplyCache:
+    """A tool's successful replies by command, bounded, least recently used dropped first.
+
+    Thread-safe, and a call whose command is already in flight waits for that call's
+    reply instead of sending its own: the G rollouts of a query often issue the same
+    search at the same moment (tools run concurrently, run_tool_calls), and a cache
+    filled only after a reply would miss all G. Failures are shared with those waiting
+    but never kept."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.hits = 0    # answered without a call of their own (from the cache, or by waiting)
+        self.misses = 0  # calls made
+        self._done: OrderedDict[str, ToolResult] = OrderedDict()
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, call) -> ToolResult:
+        with self._lock:
+            if key in self._done:
+                self._done.move_to_end(key)
+                self.hits += 1
+                return self._done[key]
+            pending = self._pending.get(key)
+            first = pending is None
+            if first:
+                pending = self._pending[key] = Future()
+                self.misses += 1
+            else:
+                self.hits += 1
+        if not first:
+            return pending.result()
+        try:
+            result = call()
+        except BaseException as e:  # run() never raises; if it did, no waiter may hang
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(e)
+            raise
+        with self._lock:
+            del self._pending[key]
+            if result.ok:
+                self._done[key] = result
+                while len(self._done) > self.size:
+                    self._done.popitem(last=False)
+        pending.set_result(result)
+        return result
 
 
 class Tool:
@@ -90,17 +196,31 @@ class Tool:
     # The executor's worked example: (question, sub-goal, input written after the prefix).
     example: tuple[str, str, str] | None = None
     aliases: tuple[str, ...] = ()  # lower-case words that name this tool in a planner's reply
-    required_env: tuple[str, ...] = ()  # environment variables it cannot run without (config.preflight)
+    # The reply depends on the command alone (searches; not code, which may draw random
+    # numbers or read the clock), so a repeated command may be answered from the cache.
+    cacheable = False
 
     def __init__(self, cfg: dict | None = None):
         self.cfg = {**DEFAULT_TOOL_CFG, **(cfg or {})}
         self.max_chars = int(self.cfg["max_output_chars"])
+        size = int(self.cfg["cache_size"])
+        self.cache = ReplyCache(size) if self.cacheable and size > 0 else None
+
+    @classmethod
+    def required_env(cls, cfg: dict) -> tuple[str, ...]:
+        """Environment variables it cannot run without under these settings (config.preflight)."""
+        return ()
 
     def run(self, command: str) -> ToolResult:
+        if self.cache is None:
+            return self._call(command)
+        return self.cache.get((command or "").strip(), lambda: self._call(command))
+
+    def _call(self, command: str) -> ToolResult:
         try:
             return ToolResult(output=cut(self._run(command or ""), self.max_chars))
         except ToolError as e:
-            return ToolResult(output="", error=str(e))
+            return ToolResult(output="", error=str(e), infra=e.infra)
         except Exception as e:  # a bug or an odd input must not take the batch down
             return ToolResult(output="", error=f"{self.name} failed: {type(e).__name__}: {e}"[:300])
 
@@ -189,44 +309,7 @@ class PythonCoder(Tool):
         return text
 
 
-# ----------------------------------------------------------------------------- BM25, Local_Search
-
-def tokenize(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
-class BM25:
-    """Okapi BM25 over a fixed list of documents:
-        score(q, d) = sum_{t in q} idf(t) * tf(t,d) * (k1 + 1) / (tf(t,d) + k1 * (1 - b + b * |d| / avgdl))
-        idf(t) = ln(1 + (N - n_t + 0.5) / (n_t + 0.5))   (Lucene's form: never negative)
-    Repeated query words count once."""
-
-    def __init__(self, docs: list[str], k1: float = 1.5, b: float = 0.75):
-        self.k1, self.b = k1, b
-        self.lengths = []
-        self.postings: dict[str, list[tuple[int, int]]] = {}  # word -> [(doc index, tf)]
-        for i, doc in enumerate(docs):
-            words = tokenize(doc)
-            self.lengths.append(len(words))
-            for word, tf in Counter(words).items():
-                self.postings.setdefault(word, []).append((i, tf))
-        n = len(docs)
-        self.avgdl = sum(self.lengths) / n if n else 0.0
-        self.idf = {w: math.log(1 + (n - len(p) + 0.5) / (len(p) + 0.5)) for w, p in self.postings.items()}
-
-    def scores(self, query: str) -> dict[int, float]:
-        """Score of every document sharing a word with the query (the others score 0)."""
-        scores: dict[int, float] = {}
-        for word in dict.fromkeys(tokenize(query)):  # unique, in query order: the same float sums every run
-            for i, tf in self.postings.get(word, ()):
-                norm = self.k1 * (1 - self.b + self.b * self.lengths[i] / self.avgdl)
-                scores[i] = scores.get(i, 0.0) + self.idf[word] * tf * (self.k1 + 1) / (tf + norm)
-        return scores
-
-    def top(self, query: str, k: int) -> list[tuple[int, float]]:
-        """The k best (index, score) pairs with score > 0; ties go to the earlier document."""
-        return sorted(self.scores(query).items(), key=lambda p: (-p[1], p[0]))[:k]
-
+# ----------------------------------------------------------------------------- Local_Search
 
 class LocalSearch(Tool):
     name = "Local_Search"
@@ -236,17 +319,25 @@ class LocalSearch(Tool):
     input_prefix, input_stops = "Query:", ("\n",)
     example = ("When was the town of Arvel founded?", "find when Arvel was founded", " Arvel founded")
     aliases = ("local", "search", "retriev", "corpus", "lookup", "look up")
+    cacheable = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
-        self._rows: list[dict] | None = None
-        self._index: BM25 | None = None
+        self._rows: list[dict] | None = None  # the corpus in memory (tools.corpus), or
+        self._index: BM25 | DiskBM25 | None = None  # ... an index on disk (tools.corpus_index)
         self._lock = threading.Lock()  # concurrent first calls load the corpus once
 
     def _load(self) -> None:
+        # A corpus that is missing or unreadable is the setup's fault, not the model's: infra.
+        if self.cfg["corpus_index"]:
+            try:
+                self._index = DiskBM25(self.cfg["corpus_index"])
+            except (OSError, ValueError) as e:
+                raise ToolError(str(e)[:300], infra=True) from None
+            return
         path = self.cfg["corpus"]
         if not os.path.exists(path):
-            raise ToolError(f"corpus file not found: {path}")
+            raise ToolError(f"corpus file not found: {path}", infra=True)
         rows = []
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
@@ -268,32 +359,125 @@ class LocalSearch(Tool):
         hits = self._index.top(command, k)
         if not hits:
             raise ToolError(f"no passage matches {command.strip()[:80]!r}")
+        passage = self._rows.__getitem__ if self._rows is not None else self._index.passage
         per_hit = max(self.max_chars // len(hits) - 1, 40)  # every hit gets its share of the budget
-        return "\n".join(cut(f"{self._rows[i]['title']}: {self._rows[i]['text']}", per_hit)
-                         for i, _ in hits)
+        return "\n".join(cut(f"{p['title']}: {p['text']}", per_hit) for p in (passage(i) for i, _ in hits))
 
 
 # ----------------------------------------------------------------------------- network tools
 
-def _get(url: str, params: dict | None, timeout: float, session=None, **kw) -> requests.Response:
-    """GET with our User-Agent; failures become ToolError. The messages never quote the
-    request URL: it can hold an API key, and errors end up in prompts and logs."""
-    host = urlparse(url).netloc or url[:60]
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a failed request is tried again (tools.retry_* in the config)."""
+    attempts: int      # tries in all
+    backoff_s: float   # first wait; doubled for each later one
+    max_wait_s: float  # longest single wait
+    total_s: float     # no new try after this long
+
+    @classmethod
+    def from_cfg(cls, c: dict) -> RetryPolicy:
+        return cls(max(1, int(c["retry_attempts"])), float(c["retry_backoff_s"]), float(c["retry_max_wait_s"]),
+                   float(c["retry_total_s"]))
+
+
+# Indirections that tests replace, so that waits are recorded instead of slept through.
+_clock, _sleep = time.monotonic, time.sleep
+_jitter = random.Random()  # its own stream: the seeded global one drives a run's sampling and must not move
+
+
+def _retry_after(value: str | None) -> float | None:
+    """The seconds a Retry-After header asks for (a number of seconds, or an HTTP date)."""
+    if not value:
+        return None
     try:
-        resp = (session or requests).get(url, params=params, timeout=timeout, headers={"User-Agent": USER_AGENT},
-                                         **kw)
-    except requests.Timeout:
-        raise ToolError(f"timeout after {timeout:g}s from {host}") from None
-    except requests.RequestException as e:
-        raise ToolError(f"request to {host} failed ({type(e).__name__})") from None
-    if resp.status_code >= 400:
-        try:  # APIs explain themselves in a JSON error body
-            message = _api_error(resp.json())
-        except ValueError:
-            message = ""
-        resp.close()
-        raise ToolError(f"HTTP {resp.status_code} from {host}" + (f": {message}" if message else ""))
-    return resp
+        return max(float(value.strip()), 0.0)
+    except ValueError:
+        pass
+    try:
+        return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _request(method: str, url: str, retry: RetryPolicy, timeout: float, *, session=None, agent: str = USER_AGENT,
+             ours: bool = True, transient=None, headers: dict | None = None, **kw) -> requests.Response:
+    """An HTTP request with retries: a response with status < 400, or a ToolError.
+
+    Tried again, after backoff_s * 2^n seconds (times 0.5..1 at random, so that threads
+    that failed together do not retry together) or what the server's Retry-After asks:
+    HTTP 429, any 5xx, a timeout, a dropped or refused connection, and a reply that
+    `transient(resp)` names (MediaWiki says "lagged, retry" with HTTP 200). Still
+    failing after retry.attempts tries or retry.total_s seconds, or asked to wait more
+    than retry.max_wait_s: an infrastructure failure (infra=True).
+    Never retried: other 4xx, which say the request itself is wrong. `ours` = the URL is
+    an endpoint of the config, so 401 / 403 mean our key or quota (infra); on a URL a
+    model wrote they are that page's answer to the model.
+    Messages never quote the URL: it can hold an API key, and errors end up in prompts."""
+    host = urlparse(url).netloc or url[:60]
+    headers = {"User-Agent": agent, **(headers or {})}
+    start, tries = _clock(), 0
+    while True:
+        tries += 1
+        wait = None
+        try:
+            resp = (session or requests).request(method, url, timeout=timeout, headers=headers, **kw)
+        except requests.Timeout:
+            failure = f"timeout after {timeout:g}s from {host}"
+        except requests.exceptions.SSLError:  # a certificate problem does not fix itself in seconds
+            raise ToolError(f"TLS error from {host}", infra=ours) from None
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+            failure = f"request to {host} failed ({type(e).__name__})"
+        except requests.RequestException as e:  # an invalid URL and the like: retrying cannot help
+            raise ToolError(f"request to {host} failed ({type(e).__name__})", infra=ours) from None
+        else:
+            failure = transient(resp) if transient and resp.status_code < 400 else ""
+            if resp.status_code < 400 and not failure:
+                return resp
+            if resp.status_code >= 400:
+                message = _error_message(resp)
+                failure = f"HTTP {resp.status_code} from {host}" + (f": {message}" if message else "")
+                if resp.status_code != 429 and resp.status_code < 500:
+                    resp.close()
+                    raise ToolError(failure, infra=ours and resp.status_code in (401, 403))
+            wait = _retry_after(resp.headers.get("Retry-After"))
+            resp.close()
+        asked = wait is not None
+        if not asked:
+            wait = min(retry.backoff_s * 2 ** (tries - 1) * (0.5 + _jitter.random() / 2), retry.max_wait_s)
+        n = f"{tries} {'try' if tries == 1 else 'tries'}"
+        if tries >= retry.attempts:
+            why = n
+        elif asked and wait > retry.max_wait_s:  # a server that says "in an hour" will not be ready in seconds
+            why = f"{n}: asked to wait {wait:.0f}s, more than tools.retry_max_wait_s"
+        elif _clock() - start + wait > retry.total_s:
+            why = f"{n} in tools.retry_total_s"
+        else:
+            _sleep(wait)
+            continue
+        raise ToolError(f"{failure} (gave up after {why})", infra=True)
+
+
+def _error_message(resp: requests.Response) -> str:
+    """What an error reply says about itself, if it is JSON (APIs explain their errors)."""
+    if "json" not in resp.headers.get("Content-Type", "").lower():
+        return ""
+    try:
+        return _api_error(resp.json(), loose=True)
+    except ValueError:
+        return ""
+
+
+# Wikimedia's API etiquette asks for requests in series, not in parallel: every request
+# to a Wikimedia site holds this lock (tool calls run in threads, run_tool_calls),
+# Wikipedia_Search's to its configured endpoint and Web_Search's to Wikimedia's hosts.
+WIKIMEDIA_LOCK = threading.Lock()
+_WIKIMEDIA = ("wikipedia.org", "wikimedia.org", "wikidata.org", "wiktionary.org", "wikiquote.org", "wikibooks.org",
+              "wikisource.org", "wikinews.org", "wikiversity.org", "wikivoyage.org", "mediawiki.org")
+
+
+def is_wikimedia(host: str) -> bool:
+    host = (host or "").lower().rstrip(".")
+    return any(host == d or host.endswith("." + d) for d in _WIKIMEDIA)
 
 
 # A URL that a model wrote must not turn the agent inward: onto this machine's services
@@ -304,7 +488,7 @@ def _get(url: str, params: dict | None, timeout: float, session=None, **kw) -> r
 # address for our check and to an internal one for the connection, DNS rebinding, is
 # caught too), on the first request and on every redirect, which we follow ourselves.
 # Behind an HTTP proxy the proxy resolves the name and only the first check applies.
-# Not guarded: the API endpoints of the config (wikipedia_url, google_url), which the
+# Not guarded: the API endpoints of the config (wikipedia_url, serper_url, google_url), which the
 # user chose (a local mirror is legitimate) and of which a model writes only the query.
 
 _MAX_REDIRECTS = 5
@@ -388,9 +572,10 @@ def _guarded_session(allow: tuple[set[str], list]) -> requests.Session:
     return session
 
 
-def _guarded_get(url: str, timeout: float, allow_entries) -> tuple[str, requests.Response]:
+def _guarded_get(url: str, timeout: float, allow_entries, retry: RetryPolicy,
+                 contact: str = "") -> tuple[str, requests.Response]:
     """(final URL, streamed response) of a GET to a model-written URL, redirects followed
-    by hand so that every hop is checked."""
+    by hand so that every hop is checked. Wikimedia's hosts get our contact address."""
     allow = _allow_list(allow_entries)
     with _guarded_session(allow) as session:
         for _ in range(_MAX_REDIRECTS + 1):
@@ -402,7 +587,9 @@ def _guarded_get(url: str, timeout: float, allow_entries) -> tuple[str, requests
             except ValueError:
                 raise ToolError(f"bad port in {url[:100]}") from None
             _check_host(parts.hostname, port, allow)
-            resp = _get(url, None, timeout, session=session, stream=True, allow_redirects=False)
+            agent = user_agent(contact) if is_wikimedia(parts.hostname) else USER_AGENT
+            resp = _request("GET", url, retry, timeout, session=session, agent=agent, ours=False, stream=True,
+                            allow_redirects=False)
             if not resp.is_redirect:
                 return url, resp
             url = urljoin(url, resp.headers["Location"])
@@ -410,23 +597,42 @@ def _guarded_get(url: str, timeout: float, allow_entries) -> tuple[str, requests
     raise ToolError(f"more than {_MAX_REDIRECTS} redirects")
 
 
-def _api_error(data) -> str:
-    """The message of an API error body: Google {"error": {"message"}}, MediaWiki {"error": {"info"}}."""
-    error = data.get("error") if isinstance(data, dict) else None
+def _api_error(data, loose: bool = False) -> str:
+    """The message of an API error body: Google {"error": {"message"}}, MediaWiki {"error":
+    {"info"}}; loose (a body that came with an error status) also Serper's {"message"}."""
+    if not isinstance(data, dict):
+        return ""
+    error = data.get("error")
     if isinstance(error, dict):
         error = error.get("message") or error.get("info") or error.get("code") or "unknown error"
+    if not error and loose:
+        error = data.get("message")
     return str(error)[:200] if error else ""
 
 
-def _get_json(url: str, params: dict, timeout: float) -> dict:
-    resp = _get(url, params, timeout)
+def _api_json(url: str, retry: RetryPolicy, timeout: float, method: str = "GET", transient_codes=(),
+              **kw) -> dict:
+    """The JSON object an API endpoint of the config answers (_request's retries). An error
+    in the body is a ToolError (MediaWiki answers errors with HTTP 200); one whose code is
+    in transient_codes is retried like a 503."""
+
+    def transient(resp):
+        try:
+            error = resp.json().get("error")
+        except (ValueError, AttributeError):
+            return ""
+        if isinstance(error, dict) and error.get("code") in transient_codes:
+            return f"API error: {_api_error({'error': error})}"
+        return ""
+
+    resp = _request(method, url, retry, timeout, transient=transient if transient_codes else None, **kw)
     try:
         data = resp.json()
     except ValueError:
         data = None
     if not isinstance(data, dict):
-        raise ToolError(f"non-JSON reply from {urlparse(url).netloc}")
-    if _api_error(data):  # MediaWiki answers errors with HTTP 200
+        raise ToolError(f"non-JSON reply from {urlparse(url).netloc}", infra=True)
+    if _api_error(data):
         raise ToolError(f"API error: {_api_error(data)}")
     return data
 
@@ -439,21 +645,30 @@ class WikipediaSearch(Tool):
     input_prefix, input_stops = "Query:", ("\n",)
     example = ("Who wrote Hamlet?", "find the author of Hamlet", " Hamlet")
     aliases = ("wiki",)
+    cacheable = True
+    # MediaWiki error codes that mean "not now" rather than "not this": retried like a 503.
+    TRANSIENT = ("maxlag", "ratelimited")
+
+    def _api(self, params: dict) -> dict:
+        params = {**params, "format": "json", "formatversion": 2}
+        if int(self.cfg["wikipedia_maxlag"]) > 0:  # training is a non-interactive client
+            params["maxlag"] = int(self.cfg["wikipedia_maxlag"])
+        with WIKIMEDIA_LOCK:
+            return _api_json(self.cfg["wikipedia_url"], RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
+                             transient_codes=self.TRANSIENT, params=params, agent=user_agent(self.cfg["contact"]))
 
     def _run(self, command):
         query = command.strip()
         if not query:
             raise ToolError("empty query")
-        url, timeout = self.cfg["wikipedia_url"], float(self.cfg["web_timeout_s"])
-        found = _get_json(url, {"action": "query", "list": "search", "srsearch": query, "format": "json",
-                                "srlimit": int(self.cfg["search_top_k"]), "formatversion": 2}, timeout)
+        found = self._api({"action": "query", "list": "search", "srsearch": query,
+                           "srlimit": int(self.cfg["search_top_k"])})
         hits = found.get("query", {}).get("search", [])
         if not hits:
             raise ToolError(f"no Wikipedia article matches {query[:80]!r}")
         titles = [h["title"] for h in hits]
-        pages = _get_json(url, {"action": "query", "prop": "extracts", "explaintext": 1, "exintro": 1,
-                                "titles": "|".join(titles), "format": "json", "formatversion": 2,
-                                "redirects": 1}, timeout).get("query", {}).get("pages", [])
+        pages = self._api({"action": "query", "prop": "extracts", "explaintext": 1, "exintro": 1,
+                           "titles": "|".join(titles), "redirects": 1}).get("query", {}).get("pages", [])
         extracts = {p.get("title"): (p.get("extract") or "").strip() for p in pages}
         per_hit = max(self.max_chars // len(hits) - 1, 40)
         lines = []
@@ -464,32 +679,60 @@ class WikipediaSearch(Tool):
 
 
 class GoogleSearch(Tool):
+    """Google's results through one of two APIs (tools.google_provider):
+    serper: POST {"q", "num"} with the key in X-API-KEY; results in "organic" (title,
+            link, snippet), Google's direct answer, if any, in "answerBox".
+    cse:    Google's Custom Search JSON API, GET key, cx, q, num; results in "items".
+            Closed to new customers; its whole-web search ends on 2027-01-01."""
     name = "Google_Search"
     card = ("Searches the web with Google; returns titles, short snippets and links.\n"
             "Good for specific or recent facts. Input: a short search query.")
     input_prefix, input_stops = "Query:", ("\n",)
     example = ("Who won the 2018 World Cup?", "find the 2018 winner", " 2018 World Cup winner")
     aliases = ("google",)
-    required_env = ("GOOGLE_API_KEY", "GOOGLE_CSE_ID")
+    cacheable = True
+    PROVIDERS = ("serper", "cse")
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        if self.cfg["google_provider"] not in self.PROVIDERS:
+            raise ValueError(f"tools.google_provider must be one of {', '.join(self.PROVIDERS)}, "
+                             f"got {self.cfg['google_provider']!r}")
+
+    @classmethod
+    def required_env(cls, cfg):
+        c = {**DEFAULT_TOOL_CFG, **(cfg or {})}
+        return (c["cse_key_env"], c["cse_id_env"]) if c["google_provider"] == "cse" else (c["serper_key_env"],)
 
     def _run(self, command):
         query = command.strip()
         if not query:
             raise ToolError("empty query")
-        key, cx = os.environ.get("GOOGLE_API_KEY"), os.environ.get("GOOGLE_CSE_ID")  # read now, not at import
-        if not key or not cx:
-            raise ToolError("Google_Search needs GOOGLE_API_KEY and GOOGLE_CSE_ID in the environment")
-        k = min(int(self.cfg["search_top_k"]), 10)  # the API returns at most 10
-        data = _get_json(self.cfg["google_url"], {"key": key, "cx": cx, "q": query, "num": k},
-                         float(self.cfg["web_timeout_s"]))
-        items = data.get("items") or []
+        names = self.required_env(self.cfg)
+        values = [os.environ.get(n, "") for n in names]  # read now, not at import
+        if not all(values):
+            raise ToolError(f"Google_Search needs {' and '.join(names)} in the environment", infra=True)
+        k = min(int(self.cfg["search_top_k"]), 10)  # 10 is one page: what both APIs charge one query for
+        retry, timeout = RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"])
+        if self.cfg["google_provider"] == "serper":
+            data = _api_json(self.cfg["serper_url"], retry, timeout, method="POST", json={"q": query, "num": k},
+                             headers={"X-API-KEY": values[0]})
+            box = data.get("answerBox") if isinstance(data.get("answerBox"), dict) else {}
+            answer = box.get("answer") or box.get("snippet")
+            items = ([{"title": box.get("title") or "Answer", "snippet": answer, "link": box.get("link", "")}]
+                     if answer else []) + list(data.get("organic") or [])
+        else:
+            items = _api_json(self.cfg["google_url"], retry, timeout,
+                              params={"key": values[0], "cx": values[1], "q": query, "num": k}).get("items") or []
+        items = [it for it in items if isinstance(it, dict)][:k]
         if not items:
             raise ToolError(f"no Google results for {query[:80]!r}")
-        per_hit = self.max_chars // len(items[:k]) - 1
+        per_hit = self.max_chars // len(items) - 1
         lines = []
-        for it in items[:k]:  # cut the snippet, not the link: the link is what Web_Search needs next
-            title, link, snippet = it.get("title", ""), it.get("link", ""), " ".join(it.get("snippet", "").split())
-            lines.append(f"{title}: {cut(snippet, max(per_hit - len(title) - len(link) - 5, 20))} ({link})")
+        for it in items:  # cut the snippet, not the link: the link is what Web_Search needs next
+            title, link = str(it.get("title", "")), str(it.get("link", ""))
+            snippet = cut(" ".join(str(it.get("snippet", "")).split()), max(per_hit - len(title) - len(link) - 5, 20))
+            lines.append(f"{title}: {snippet}" + (f" ({link})" if link else ""))
         return "\n".join(lines)
 
 
@@ -534,6 +777,7 @@ class WebSearch(Tool):
     example = ("How tall is the tower on https://example.org/tower ?", "read the page about the tower",
                " https://example.org/tower How tall is the tower?")
     aliases = ("web", "url", "browse")
+    cacheable = True
     CHUNK_WORDS, CHUNK_STRIDE = 80, 60  # 80-word chunks overlapping by 20, so a fact is rarely split
 
     def _run(self, command):
@@ -543,16 +787,25 @@ class WebSearch(Tool):
         url = match.group(0).rstrip(".,;:!?)]}")
         question = (command[:match.start()] + " " + command[match.start() + len(url):]).strip()
         timeout, max_bytes = float(self.cfg["web_timeout_s"]), int(self.cfg["web_max_bytes"])
-        url, resp = _guarded_get(url, timeout, self.cfg["url_allow"])
-        with resp:
-            ctype = resp.headers.get("Content-Type", "").lower()
-            if not (ctype.startswith("text/") or "html" in ctype or "xml" in ctype):
-                raise ToolError(f"unsupported content type {ctype.split(';')[0] or 'unknown'!r} at {url[:100]}")
-            body, stop_at = b"", time.monotonic() + timeout  # a page that drips forever still ends
-            for piece in resp.iter_content(65536):
-                body += piece
-                if len(body) >= max_bytes or time.monotonic() > stop_at:
-                    break
+        # Wikimedia's pages, like its API, are fetched one at a time (WIKIMEDIA_LOCK), the
+        # body included. (A redirect from elsewhere onto Wikimedia is not serialised.)
+        serial = WIKIMEDIA_LOCK if is_wikimedia(urlparse(url).hostname) else contextlib.nullcontext()
+        with serial:
+            url, resp = _guarded_get(url, timeout, self.cfg["url_allow"], RetryPolicy.from_cfg(self.cfg),
+                                     self.cfg["contact"])
+            with resp:
+                ctype = resp.headers.get("Content-Type", "").lower()
+                if not (ctype.startswith("text/") or "html" in ctype or "xml" in ctype):
+                    raise ToolError(f"unsupported content type {ctype.split(';')[0] or 'unknown'!r} at {url[:100]}")
+                body, stop_at = b"", time.monotonic() + timeout  # a page that drips forever still ends
+                try:
+                    for piece in resp.iter_content(65536):
+                        body += piece
+                        if len(body) >= max_bytes or time.monotonic() > stop_at:
+                            break
+                except requests.RequestException as e:
+                    raise ToolError(f"the connection to {urlparse(url).netloc} broke mid-page "
+                                    f"({type(e).__name__})", infra=True) from None
         charset = re.search(r"charset=[\"']?([\w.-]+)", ctype)
         try:
             text = body[:max_bytes].decode(charset.group(1) if charset else "utf-8", "replace")

@@ -7,7 +7,9 @@ Paper, section 2. One step, top to bottom in `train_step` below:
     1. draw Q queries and repeat each G times;
     2. rollout: all Q*G trajectories run the four-module loop in lockstep, the planner
        sampling from the CURRENT weights (agentflow.AgentSystem.rollout);
-    3. judge: one 0/1 reward R_i per trajectory from its final answer (judge.py);
+    3. judge: one 0/1 reward R_i per trajectory from its final answer (judge.py); a
+       trajectory whose tool failed for infrastructure reasons (tools.py) is left out,
+       never scored 0 (kept_rows);
     4. advantage: A_i normalised over the G rollouts of the same query, broadcast to every
        planner turn of trajectory i (flow_grpo.group_advantages, build_rows);
     5. update: the clipped, KL-penalised Flow-GRPO loss over planner tokens only, AdamW
@@ -43,7 +45,7 @@ from agentflow import LLM, AgentSystem, agent_config, load_model
 from benchmarks import load_benchmark
 from config import ConfigError, load_config, preflight
 from eval import evaluate
-from flow_grpo import LossConfig, build_rows, group_advantages, policy_update, zero_variance_groups
+from flow_grpo import LossConfig, build_rows, group_advantages, policy_update
 from judge import Judge, judge_counts
 from report import record_run, write_report
 from sandbox import SandboxError
@@ -113,8 +115,8 @@ def run(cfg: dict) -> dict:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", kl=f"{metrics['kl']:.4f}",
-                        tools=metrics["top_tool"])
+        bar.set_postfix(reward="-" if metrics["reward_mean"] is None else f"{metrics['reward_mean']:.2f}",
+                        kl="-" if metrics["kl"] is None else f"{metrics['kl']:.4f}", tools=metrics["top_tool"])
         if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
             save_checkpoint(out, step + 1, model, tok, optimizer, scheduler)
             refresh_report(out)
@@ -148,46 +150,95 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
 
     # 2. Rollout: Q*G trajectories in lockstep; copies of a query are consecutive (a group).
     t0 = time.time()
+    hits_before = sum(tool.cache.hits for tool in agent.tools.values() if tool.cache)
     trajs = agent.rollout([it.question for it in queries for _ in range(G)], seed=seed)
     t1 = time.time()
 
     # 3. Judge: R_i in {0, 1} from the final answer alone. A judge that fails gives 0, never 1.
-    verdicts = (judge or Judge()).score_batch([tr.answer for tr in trajs], [queries[k // G] for k in range(len(trajs))])
-    for tr, v in zip(trajs, verdicts):
-        tr.reward = float(v["correct"])
-    rewards = [tr.reward for tr in trajs]
+    #    A trajectory whose tool failed for infrastructure reasons (after retries: a quota,
+    #    an outage, a missing key; tools.ToolResult.infra) is not judged: its outcome says
+    #    how the network did, not how the policy did. Its reward stays None.
+    infra = [sum(r.infra for r in tr.memory.records) for tr in trajs]  # failed tool calls per trajectory
+    judged = [k for k in range(len(trajs)) if not infra[k]]
+    verdicts = (judge or Judge()).score_batch([trajs[k].answer for k in judged], [queries[k // G] for k in judged])
+    for tr in trajs:
+        tr.reward = None
+    for k, v in zip(judged, verdicts):
+        trajs[k].reward = float(v["correct"])
+    rewards = [trajs[k].reward for k in judged]
     t2 = time.time()
 
-    # 4. Advantage A_i over each group of G, broadcast to every planner turn of trajectory i.
-    advantages = group_advantages(rewards, G, [len(tr.turns) for tr in trajs], t["advantage_mode"])
-    for tr, a in zip(trajs, advantages):
-        tr.advantage = a
-    rows = build_rows(trajs, advantages)
+    # 4. Advantage A_i over each group, broadcast to every planner turn of trajectory i.
+    rows, groups = kept_rows(trajs, [not n for n in infra], G, t["advantage_mode"])
+    if not rows:
+        print(f"warning: step {step + 1}: no group kept two rollouts free of infrastructure failures "
+              f"({sum(map(bool, infra))} of {len(trajs)} hit one); no update", file=sys.stderr)
 
     # 5. Update on planner tokens only, scored under the very SamplingParams the planner
     #    sampled with (temperatures, tool restriction), so the loss is on-policy.
-    upd = policy_update(model, ref, optimizer, rows, agent.planner_params,
-                        LossConfig(t["eps_low"], t["eps_high"], t["beta"]), agent.planner.pad_id,
-                        epochs=t["epochs"], minibatches=t["minibatches"], max_grad_norm=t["max_grad_norm"],
-                        seed=seed, scheduler=scheduler, micro_batch=t["micro_batch"],
-                        autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
+    upd = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None, "logprob_gap": None,
+           "planner_tokens": 0, "optimizer_steps": 0}
+    if rows:
+        upd = policy_update(model, ref, optimizer, rows, agent.planner_params,
+                            LossConfig(t["eps_low"], t["eps_high"], t["beta"]), agent.planner.pad_id,
+                            epochs=t["epochs"], minibatches=t["minibatches"], max_grad_norm=t["max_grad_norm"],
+                            seed=seed, scheduler=scheduler, micro_batch=t["micro_batch"],
+                            autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
     t3 = time.time()
 
     with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
+        verdict_of = dict(zip(judged, verdicts))
         for k, tr in enumerate(trajs):
             f.write(json.dumps({"group": k // G, "task": queries[k // G].meta.get("task", ""),
-                                "gold": queries[k // G].gold, "judge": verdicts[k]["judge"], **tr.to_dict()}) + "\n")
+                                "gold": queries[k // G].gold, "judge": verdict_of.get(k, {}).get("judge", ""),
+                                "infra_failures": infra[k], **tr.to_dict()}) + "\n")
     tool_calls = Counter(tool for tr in trajs for tool in tr.tools_used)
     n_calls = sum(tool_calls.values())
-    return {"step": step + 1, "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": sum(r > 0 for r in rewards) / len(rewards),
-            "zero_variance_groups": zero_variance_groups(rewards, G) / len(queries),
+    model_errors = sum(1 for tr in trajs for r in tr.memory.records if r.tool and r.error and not r.infra)
+    hits = sum(tool.cache.hits for tool in agent.tools.values() if tool.cache) - hits_before
+    return {"step": step + 1, "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "accuracy": sum(r > 0 for r in rewards) / len(rewards) if rewards else None,
+            "zero_variance_groups": (sum(len({trajs[k].reward for k in g}) == 1 for g in groups) / len(groups)
+                                     if groups else None),
             "mean_turns": sum(len(tr.turns) for tr in trajs) / len(trajs),
             "tool_shares": {k: v / n_calls for k, v in sorted(tool_calls.items())},
             "top_tool": tool_calls.most_common(1)[0][0] if tool_calls else "-",
-            "tool_error_rate": sum(tr.tool_errors for tr in trajs) / n_calls if n_calls else 0.0,
+            # the model's tool-call errors; failures of the infrastructure are counted apart
+            "tool_error_rate": model_errors / n_calls if n_calls else 0.0,
+            "infra_failures": sum(infra), "excluded_trajectories": len(trajs) - sum(map(len, groups)),
+            "excluded_groups": len(queries) - len(groups), "tool_cache_hits": hits,
             "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0],
             "time_rollout": t1 - t0, "time_judge": t2 - t1, "time_update": t3 - t2}
+
+
+def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory"):
+    """(rows, groups): the training rows of what an update may use, and the trajectory
+    indices of each group kept; sets each trajectory's advantage (None if left out).
+    Copies of a query are consecutive, G to a group.
+
+    A trajectory that is not usable (an infrastructure failure) is left out, and its group's
+    advantages are normalised over the rollouts that remain: those are still independent
+    samples of pi_theta on that query, so A_i = (R_i - mean) / (std + eps) over them is the
+    paper's advantage for a group of that size. A group left with fewer than 2 is dropped
+    whole: one rollout alone has A = R - mean = 0 and would bring only its KL term, on a
+    query the others no longer weigh. J's averages then run over what remains: the row
+    weight is 1 / (Q' * G_q * T_i), for Q' groups kept and G_q rollouts kept in group q
+    (the 1/G average within each query, then the mean over queries), which is build_rows'
+    1 / (N * T_i) exactly when nothing is left out."""
+    groups = [[k for k in range(q, q + G) if usable[k]] for q in range(0, len(trajs), G)]
+    groups = [g for g in groups if len(g) >= 2]
+    for tr in trajs:
+        tr.advantage = None  # what is left out has none
+    rows = []
+    for g in groups:
+        adv = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
+        for k, a in zip(g, adv):
+            trajs[k].advantage = a
+            turn_rows = build_rows([trajs[k]], [a])  # its T_i planner turns, A_i broadcast to each
+            for row in turn_rows:
+                row.weight = 1.0 / (len(groups) * len(g) * len(turn_rows))
+            rows += turn_rows
+    return rows, groups
 
 
 def draw_queries(items: list, step: int, Q: int, seed: int) -> list:

@@ -74,14 +74,36 @@ def test_unknown_tool_fails_at_load_with_a_suggestion():
 
 
 def test_tool_api_keys_from_the_environment(monkeypatch):
-    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
-    monkeypatch.delenv("GOOGLE_CSE_ID", raising=False)
-    c = cfg("agent.tools=[Base_Generator, Google_Search]")
+    for var in ("SERPER_API_KEY", "GOOGLE_API_KEY", "GOOGLE_CSE_ID", "MY_SERPER"):
+        monkeypatch.delenv(var, raising=False)
+    c = cfg("agent.tools=[Base_Generator, Google_Search]")  # the default provider: Serper
+    fails(c, "Google_Search", "SERPER_API_KEY", "google_provider is serper", "export SERPER_API_KEY")
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    preflight(c)
+    fails(cfg("agent.tools=[Google_Search]", "tools.serper_key_env=MY_SERPER"), "MY_SERPER")
+    c = cfg("agent.tools=[Base_Generator, Google_Search]", "tools.google_provider=cse")
     fails(c, "Google_Search", "GOOGLE_API_KEY and GOOGLE_CSE_ID", "export GOOGLE_API_KEY")
     monkeypatch.setenv("GOOGLE_API_KEY", "k")
     fails(c, "GOOGLE_CSE_ID")
     monkeypatch.setenv("GOOGLE_CSE_ID", "cx")
     preflight(c)
+    with pytest.raises(ConfigError, match="serper, cse"):
+        cfg("tools.google_provider=bing")
+
+
+def test_wikipedia_needs_a_contact_address():
+    c = cfg("agent.tools=[Base_Generator, Wikipedia_Search]")
+    fails(c, "tools.contact", "User-Agent", "tools.contact=you@example.org")
+    preflight(cfg("agent.tools=[Wikipedia_Search]", "tools.contact=me@example.org"))
+    # a local mirror is not Wikimedia's: its own rules, not checked here
+    preflight(cfg("agent.tools=[Wikipedia_Search]", "tools.wikipedia_url=http://127.0.0.1:8080/w/api.php"))
+
+
+def test_a_corpus_index_must_be_built(tmp_path):
+    fails(cfg(f"tools.corpus_index={tmp_path / 'idx'}"), "tools.corpus_index", "retriever.py build")
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "meta.json").write_text("{}")
+    preflight(cfg(f"tools.corpus_index={tmp_path / 'idx'}", f"tools.corpus={tmp_path / 'unused.jsonl'}"))
 
 
 def test_judge_endpoint_settings(monkeypatch):
@@ -116,3 +138,17 @@ def test_cli_fails_in_one_line_before_loading_a_model(capsys, tmp_path):
                             "--model", str(tmp_path / "none"), *DATA]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--model" in err
+
+
+def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch):
+    """The one-GPU config's web tools: Google through Serper (the key named), Wikipedia
+    with a contact address; each missing piece stops it in one line, before any model."""
+    paper = ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"
+    monkeypatch.delenv("SERPER_API_KEY", raising=False)
+    c = cfg(path=paper)
+    assert {"Google_Search", "Wikipedia_Search", "Web_Search"} <= set(c["agent"]["tools"])
+    assert c["tools"]["google_provider"] == "serper" and c["tools"]["serper_key_env"] == "SERPER_API_KEY"
+    fails(c, "SERPER_API_KEY", "export SERPER_API_KEY")
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    fails(c, "tools.contact")
+    preflight(cfg("tools.contact=me@example.org", path=paper))

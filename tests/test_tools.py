@@ -1,9 +1,13 @@
 """Tests for tools.py: code extraction, BM25 against its formula, and the network tools
 against a local HTTP server (127.0.0.1, random port) that serves recorded-style replies
-to the real client code; Web_Search's refusal of internal addresses. The Python sandbox
-has its own file, tests/test_sandbox.py.
+to the real client code: retries and Retry-After, infrastructure failures kept apart
+from tool errors, the reply cache, both Google providers, Wikimedia's client rules, and
+Web_Search's refusal of internal addresses. Waits between retries are recorded, not
+slept (the `waits` fixture). The Python sandbox has its own file, tests/test_sandbox.py;
+the on-disk index has tests/test_retriever.py.
 """
 
+import email.utils
 import json
 import math
 import socket
@@ -126,11 +130,26 @@ def test_base_generator():
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         url = urlparse(self.path)
-        params = {k: v[0] for k, v in parse_qs(url.query).items()}
-        self.server.seen.append((url.path, params, self.headers.get("User-Agent", "")))
-        route = self.server.routes.get(url.path)
-        status, ctype, body, delay, *headers = route(params) if route else (404, "text/html", b"<h1>Not Found</h1>", 0)
-        time.sleep(delay)
+        self._answer(url.path, {k: v[0] for k, v in parse_qs(url.query).items()})
+
+    def do_POST(self):  # a JSON body (Serper); the route sees it as its params
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(urlparse(self.path).path, json.loads(body or b"{}"))
+
+    def _answer(self, path, params):
+        srv = self.server
+        with srv.lock:
+            srv.seen.append((path, params, self.headers.get("User-Agent", "")))
+            srv.headers.append(dict(self.headers))
+            srv.active += 1
+            srv.most_active = max(srv.most_active, srv.active)
+        try:
+            route = srv.routes.get(path)
+            status, ctype, body, delay, *headers = route(params) if route else (404, "text/html", b"<h1>Not Found</h1>", 0)
+            time.sleep(delay)
+        finally:
+            with srv.lock:
+                srv.active -= 1
         body = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", ctype)
@@ -153,10 +172,26 @@ class _Server(ThreadingHTTPServer):
 
 def _serve(host: str) -> _Server:
     srv = _Server((host, 0), _Handler)
-    srv.routes, srv.seen = {}, []
+    srv.routes, srv.seen, srv.headers = {}, [], []
+    srv.lock, srv.active, srv.most_active = threading.Lock(), 0, 0  # requests in flight at once, and the most seen
     srv.url = f"http://{host}:{srv.server_address[1]}"
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return srv
+
+
+@pytest.fixture(autouse=True)
+def waits(monkeypatch):
+    """Retry waits are recorded on a clock of our own instead of slept: no test waits for
+    a backoff, and the waits a test sees are exactly the ones asked for."""
+    now, seen = [1000.0], []
+
+    def sleep(s):
+        seen.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(tools, "_sleep", sleep)
+    monkeypatch.setattr(tools, "_clock", lambda: now[0])
+    return seen
 
 
 @pytest.fixture
@@ -199,23 +234,28 @@ def test_wikipedia_search_and_extracts(server):
     (_, search, agent), (_, extracts, _) = server.seen
     assert search["srsearch"] == "Eiffel Tower" and search["srlimit"] == "2" and search["list"] == "search"
     assert extracts["titles"] == "Eiffel Tower|Gustave Eiffel" and extracts["exintro"] == "1"
-    assert extracts["explaintext"] == "1" and agent == tools.USER_AGENT
+    assert extracts["explaintext"] == "1" and agent == tools.USER_AGENT and "(research bot)" in agent
+    assert search["maxlag"] == "5" and search["format"] == "json"  # MediaWiki's etiquette for bots
 
 
 def test_wikipedia_failures(server):
     server.routes["/w/api.php"] = lambda p: (500, "text/html", b"<h1>oops</h1>", 0)
-    assert wiki(server).run("x").error == "HTTP 500 from " + server.url[len("http://"):]
+    r = wiki(server).run("x")
+    assert r.error == f"HTTP 500 from {server.url[len('http://'):]} (gave up after 4 tries)" and r.infra
     server.routes["/w/api.php"] = lambda p: (200, "text/html", b"<html>maintenance</html>", 0)
-    assert "non-JSON" in wiki(server).run("x").error
+    r = wiki(server).run("x")
+    assert "non-JSON" in r.error and r.infra
     server.routes["/w/api.php"] = lambda p: (200, "application/json", {"query": {"search": []}}, 0)
-    assert "no Wikipedia article" in wiki(server).run("xyzzy").error
+    r = wiki(server).run("xyzzy")
+    assert "no Wikipedia article" in r.error and not r.infra  # the model's query found nothing: its doing
     error = {"error": {"code": "badvalue", "info": "bad srlimit"}}  # MediaWiki errors come with HTTP 200
     server.routes["/w/api.php"] = lambda p: (200, "application/json", error, 0)
-    assert wiki(server).run("x").error == "API error: bad srlimit"
+    r = wiki(server).run("x")
+    assert r.error == "API error: bad srlimit" and not r.infra
 
 
 def google(server, **cfg):
-    return tools.GoogleSearch({"google_url": server.url + "/customsearch/v1", **cfg})
+    return tools.GoogleSearch({"google_provider": "cse", "google_url": server.url + "/customsearch/v1", **cfg})
 
 
 def test_google_search(server, monkeypatch):
@@ -236,22 +276,28 @@ def test_google_failures(server, monkeypatch):
     monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
     monkeypatch.setenv("GOOGLE_CSE_ID", "cx-1")
     need = "Google_Search needs GOOGLE_API_KEY and GOOGLE_CSE_ID in the environment"
-    assert google(server).run("x").error == need
+    r = google(server).run("x")
+    assert r.error == need and r.infra  # the setup's fault, not the model's
     assert server.seen == []
     monkeypatch.setenv("GOOGLE_API_KEY", "key-s3cr3t")
     server.routes["/customsearch/v1"] = lambda p: (
         403, "application/json", {"error": {"code": 403, "message": "Daily Limit Exceeded"}}, 0)
-    assert google(server).run("x").error == f"HTTP 403 from {server.url[7:]}: Daily Limit Exceeded"
+    r = google(server).run("x")  # a quota: not retried (it will not clear in seconds), and infra
+    assert r.error == f"HTTP 403 from {server.url[7:]}: Daily Limit Exceeded" and r.infra
+    assert len(server.seen) == 1
     server.routes["/customsearch/v1"] = lambda p: (200, "application/json", {"items": []}, 1.5)
-    start = time.monotonic()
-    r = google(server, web_timeout_s=0.3).run("x")
-    assert r.error.startswith("timeout after 0.3s") and time.monotonic() - start < 1.2
-    # Connection refused: the message must not quote the URL, which holds the key.
+    r = google(server, web_timeout_s=0.3, retry_attempts=1).run("x")
+    assert r.error.startswith("timeout after 0.3s") and r.infra
+    server.routes["/customsearch/v1"] = lambda p: (200, "application/json", {"items": []}, 0)
+    r = google(server).run("x")
+    assert r.error == "no Google results for 'x'" and not r.infra
+    # Connection refused: retried, then infra; the message must not quote the URL, which holds the key.
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = tools.GoogleSearch({"google_url": f"http://127.0.0.1:{port}/customsearch/v1"}).run("x")
-    assert not r.ok and "s3cr3t" not in r.error
+    r = tools.GoogleSearch({"google_provider": "cse", "google_url": f"http://127.0.0.1:{port}/customsearch/v1"}).run("x")
+    assert r.error == f"request to 127.0.0.1:{port} failed (ConnectionError) (gave up after 4 tries)" and r.infra
+    assert "s3cr3t" not in r.error
 
 
 PAGE = ("<html><head><title>Towers</title><style>.zebra { color: red }</style>"
@@ -274,7 +320,11 @@ def test_web_search_ranks_the_relevant_chunk_first(server):
 
 def test_web_search_failures(server):
     tool = tools.WebSearch({"url_allow": ["127.0.0.1"]})
-    assert tool.run(f"{server.url}/missing what?").error.startswith("HTTP 404 from")
+    r = tool.run(f"{server.url}/missing what?")  # a URL the model made up: its doing, asked once
+    assert r.error.startswith("HTTP 404 from") and not r.infra and len(server.seen) == 1
+    server.routes["/private"] = lambda p: (403, "text/html", b"<h1>Forbidden</h1>", 0)
+    r = tool.run(f"{server.url}/private what?")  # a page that refuses us: the model's choice of page
+    assert r.error.startswith("HTTP 403 from") and not r.infra
     server.routes["/file.bin"] = lambda p: (200, "application/octet-stream", b"\x00\x01" * 100, 0)
     assert "unsupported content type 'application/octet-stream'" in tool.run(f"{server.url}/file.bin what?").error
     server.routes["/empty"] = lambda p: (200, "text/html", b"<html><script>x = 1</script></html>", 0)
@@ -368,3 +418,256 @@ def test_configured_api_endpoints_are_not_guarded(server):
     Wikipedia tests above run against 127.0.0.1 with no allow list)."""
     server.routes["/w/api.php"] = lambda p: (200, "application/json", {"query": {"search": []}}, 0)
     assert "no Wikipedia article" in wiki(server).run("xyzzy").error and server.seen
+
+
+# ----------------------------------------------------------------------------- retries, infra failures
+
+def serper(server, **cfg):
+    return tools.GoogleSearch({"serper_url": server.url + "/search", **cfg})
+
+
+ORGANIC = {"searchParameters": {"q": "x", "type": "search"}, "organic": [
+    {"title": "Eiffel Tower - Wikipedia", "link": "https://en.wikipedia.org/wiki/Eiffel_Tower",
+     "snippet": "The Eiffel Tower is a wrought-iron lattice tower.", "position": 1},
+    {"title": "Tickets", "link": "https://example.org/t", "snippet": "Buy\ntickets.", "position": 2}], "credits": 1}
+
+
+def flaky(status, times, headers=None, then=(200, "application/json", ORGANIC, 0)):
+    """A route that answers `status` the first `times` calls, then `then`."""
+    calls = []
+
+    def route(p):
+        calls.append(p)
+        if len(calls) <= times:
+            return (status, "application/json", {"message": "slow down"}, 0, headers or {})
+        return then
+    return route
+
+
+def test_retry_after_is_honoured_then_the_reply_is_used(server, monkeypatch, waits):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = flaky(429, 2, {"Retry-After": "7"})
+    r = serper(server, search_top_k=2).run("eiffel tower")
+    assert r.ok and not r.infra and r.output.startswith("Eiffel Tower - Wikipedia:")
+    assert len(server.seen) == 3 and waits == [7.0, 7.0]  # exactly what the server asked for
+
+
+def test_backoff_doubles_without_retry_after_and_ends_in_an_infra_failure(server, monkeypatch, waits):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = flaky(503, 99)
+    r = serper(server, retry_attempts=5, retry_backoff_s=2.0).run("x")
+    assert r.infra and r.error == f"HTTP 503 from {server.url[7:]}: slow down (gave up after 5 tries)"
+    assert len(server.seen) == 5 and len(waits) == 4
+    for n, w in enumerate(waits):  # 2 * 2^n, times a random 0.5..1
+        assert 2.0 * 2 ** n * 0.5 <= w <= 2.0 * 2 ** n
+
+
+def test_retry_limits_in_time(server, monkeypatch, waits):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = flaky(503, 99, {"Retry-After": "120"})
+    r = serper(server, retry_max_wait_s=30).run("x")  # asked to wait longer than we may: no wait at all
+    assert r.infra and "retry_max_wait_s" in r.error and len(server.seen) == 1 and waits == []
+    server.seen.clear()
+    server.routes["/search"] = flaky(502, 99, {"Retry-After": "2"})
+    r = serper(server, retry_attempts=10, retry_total_s=5).run("x")  # 2 + 2, and a third 2 would pass 5 s
+    assert r.infra and "retry_total_s" in r.error and len(server.seen) == 3 and waits == [2.0, 2.0]
+
+
+def test_retry_after_forms():
+    assert tools._retry_after("3") == 3.0 and tools._retry_after(" 0 ") == 0.0 and tools._retry_after(None) is None
+    assert tools._retry_after("soon") is None and tools._retry_after("-5") == 0.0
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)  # an HTTP date
+    assert 25 <= tools._retry_after(later) <= 30
+    assert tools._retry_after(email.utils.formatdate(time.time() - 60, usegmt=True)) == 0.0
+
+
+def test_client_errors_are_not_retried(server, monkeypatch, waits):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = lambda p: (400, "application/json", {"message": "Query not allowed", "statusCode": 400}, 0)
+    r = serper(server).run("x")
+    assert r.error == f"HTTP 400 from {server.url[7:]}: Query not allowed" and not r.infra
+    assert len(server.seen) == 1 and waits == []
+
+
+def test_mediawiki_lag_is_retried(server, waits):
+    lagged = {"error": {"code": "maxlag", "info": "Waiting for db1: 6 seconds lagged", "lag": 6}}
+    ok = {"query": {"search": [{"title": "Hamlet", "snippet": "a tragedy"}], "pages": [
+        {"title": "Hamlet", "extract": "Hamlet is a tragedy by Shakespeare."}]}}
+    calls = []
+
+    def api(p):
+        calls.append(p)
+        if len(calls) == 1:
+            return 200, "application/json", lagged, 0, {"Retry-After": "5"}
+        return 200, "application/json", ok, 0
+    server.routes["/w/api.php"] = api
+    r = wiki(server).run("hamlet")
+    assert r.output == "Hamlet: Hamlet is a tragedy by Shakespeare." and waits == [5.0] and len(calls) == 3
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", lagged, 0, {"Retry-After": "5"})
+    r = wiki(server).run("macbeth")
+    assert r.infra and r.error.startswith("API error: Waiting for db1") and "gave up after 4 tries" in r.error
+
+
+# ----------------------------------------------------------------------------- Google through Serper
+
+def test_serper_request_and_reply(server, monkeypatch):
+    monkeypatch.setenv("MY_SERPER", "serper-s3cr3t")
+    box = {"title": "Eiffel Tower height", "answer": "330 m", "link": "https://example.org/h"}
+    server.routes["/search"] = lambda p: (200, "application/json", {**ORGANIC, "answerBox": box}, 0)
+    r = serper(server, search_top_k=2, serper_key_env="MY_SERPER").run("  eiffel tower height ")
+    assert r.output.splitlines() == ["Eiffel Tower height: 330 m (https://example.org/h)",
+                                     "Eiffel Tower - Wikipedia: The Eiffel Tower is a wrought-iron lattice tower. "
+                                     "(https://en.wikipedia.org/wiki/Eiffel_Tower)"]
+    (path, body, agent), = server.seen
+    assert path == "/search" and body == {"q": "eiffel tower height", "num": 2} and agent == tools.USER_AGENT
+    headers = {k.lower(): v for k, v in server.headers[0].items()}
+    assert headers["x-api-key"] == "serper-s3cr3t" and headers["content-type"] == "application/json"
+    server.routes["/search"] = lambda p: (200, "application/json", ORGANIC, 0)
+    assert serper(server, search_top_k=5, serper_key_env="MY_SERPER").run("tickets").output.splitlines()[1] == \
+        "Tickets: Buy tickets. (https://example.org/t)"
+
+
+def test_serper_failures(server, monkeypatch):
+    monkeypatch.delenv("SERPER_API_KEY", raising=False)
+    r = serper(server).run("x")
+    assert r.error == "Google_Search needs SERPER_API_KEY in the environment" and r.infra and server.seen == []
+    monkeypatch.setenv("SERPER_API_KEY", "bad-key")
+    server.routes["/search"] = lambda p: (403, "application/json", {"message": "Unauthorized.", "statusCode": 403}, 0)
+    r = serper(server).run("x")  # a key or quota problem: ours, not the model's; not retried
+    assert r.error == f"HTTP 403 from {server.url[7:]}: Unauthorized." and r.infra and len(server.seen) == 1
+    server.routes["/search"] = lambda p: (200, "application/json", {"organic": []}, 0)
+    r = serper(server).run("qwzxv")
+    assert r.error == "no Google results for 'qwzxv'" and not r.infra
+    with pytest.raises(ValueError, match="google_provider"):
+        tools.GoogleSearch({"google_provider": "bing"})
+
+
+def test_google_provider_decides_the_keys():
+    assert tools.GoogleSearch.required_env({}) == ("SERPER_API_KEY",)
+    assert tools.GoogleSearch.required_env({"google_provider": "cse"}) == ("GOOGLE_API_KEY", "GOOGLE_CSE_ID")
+    assert tools.GoogleSearch.required_env({"serper_key_env": "K2"}) == ("K2",)
+    assert tools.WebSearch.required_env({}) == ()
+
+
+# ----------------------------------------------------------------------------- the reply cache
+
+def test_repeated_commands_are_answered_from_the_cache(server, monkeypatch):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = lambda p: (200, "application/json", ORGANIC, 0)
+    tool = serper(server)
+    first, again = tool.run("eiffel tower"), tool.run("  eiffel tower\n")
+    assert again == first and first.ok and len(server.seen) == 1
+    assert (tool.cache.hits, tool.cache.misses) == (1, 1)
+    tool.run("louvre")
+    assert len(server.seen) == 2 and tool.cache.misses == 2
+    # failures are never kept: a query with no results, or a failure of ours, is asked again
+    server.routes["/search"] = lambda p: (200, "application/json", {"organic": []}, 0)
+    assert not tool.run("nothing").ok and not tool.run("nothing").ok and len(server.seen) == 4
+    server.routes["/search"] = lambda p: (500, "application/json", {}, 0)
+    assert tool.run("broken").infra and tool.run("broken").infra and len(server.seen) == 12
+
+
+def test_cache_is_bounded_and_can_be_off(server, monkeypatch):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = lambda p: (200, "application/json", ORGANIC, 0)
+    tool = serper(server, cache_size=2)
+    for q in ("a", "b", "a", "c", "b"):  # "a" was used after "b", so "b" is the one "c" pushes out
+        tool.run(q)
+    assert [body["q"] for _, body, _ in server.seen] == ["a", "b", "c", "b"]
+    off = serper(server, cache_size=0)
+    assert off.cache is None
+    off.run("a"), off.run("a")
+    assert len(server.seen) == 6
+    assert tools.PythonCoder.cacheable is False and tools.BaseGenerator({}).cache is None
+
+
+def test_identical_calls_in_flight_send_one_request(server, monkeypatch):
+    """G rollouts searching the same thing at the same moment: one request, G answers."""
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    release = threading.Event()
+
+    def slow(p):
+        release.wait(10)  # held until every other call has come in and is waiting
+        return 200, "application/json", ORGANIC, 0
+    server.routes["/search"] = slow
+    tool = serper(server)
+    original, callers = tool.cache.get, []
+
+    def arrive(key, call):  # the eighth caller lets the one request finish
+        callers.append(key)
+        if len(callers) == 8:
+            release.set()
+        return original(key, call)
+
+    tool.cache.get = arrive
+    results = tools.run_tool_calls([(tool, "eiffel tower")] * 8)
+    assert len(server.seen) == 1 and all(r.ok and r == results[0] for r in results)
+    assert (tool.cache.hits, tool.cache.misses) == (7, 1)
+
+
+# ----------------------------------------------------------------------------- Wikimedia's client rules
+
+def test_wikimedia_requests_are_serial_and_carry_the_contact(server):
+    ok = {"query": {"search": [{"title": "T", "snippet": "s"}], "pages": [{"title": "T", "extract": "e"}]}}
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", ok, 0.05)
+    tool = wiki(server, contact="you@example.org")
+    results = tools.run_tool_calls([(tool, f"query {i}") for i in range(8)])
+    assert all(r.ok for r in results) and len(server.seen) == 16
+    assert server.most_active == 1  # never two requests to Wikimedia at once
+    assert {agent for _, _, agent in server.seen} == {tools.user_agent("you@example.org")}
+    assert "(research bot; you@example.org) python-requests/" in tools.user_agent("you@example.org")
+
+
+def test_other_apis_are_asked_in_parallel(server, monkeypatch):
+    """The contrast that shows the test above can fail: without the lock, calls overlap
+    (each request waits at a barrier that only four requests in flight together pass)."""
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    barrier = threading.Barrier(4, timeout=10)
+
+    def meet(p):
+        barrier.wait()
+        return 200, "application/json", ORGANIC, 0
+    server.routes["/search"] = meet
+    results = tools.run_tool_calls([(serper(server), f"q{i}") for i in range(4)])
+    assert all(r.ok for r in results) and server.most_active == 4
+
+
+def test_the_contact_goes_to_wikimedia_pages_only(server, monkeypatch):
+    real = socket.getaddrinfo
+
+    def resolve(host, port, *args, **kwargs):  # a Wikimedia name that leads to our loopback server
+        if host == "en.wikipedia.org":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost,en.wikipedia.org")
+    server.routes["/wiki/Hamlet"] = lambda p: (200, "text/html", b"<p>Hamlet is a tragedy.</p>", 0)
+    tool = tools.WebSearch({"url_allow": ["127.0.0.1", "en.wikipedia.org"], "contact": "you@example.org"})
+    port = server.server_address[1]
+    assert tool.run(f"http://en.wikipedia.org:{port}/wiki/Hamlet what is it?").output == "Hamlet is a tragedy."
+    assert tool.run(f"http://127.0.0.1:{port}/wiki/Hamlet what is it?").ok
+    (_, _, to_wikimedia), (_, _, elsewhere) = server.seen
+    assert "you@example.org" in to_wikimedia and "you@example.org" not in elsewhere
+    assert tools.is_wikimedia("en.wikipedia.org") and tools.is_wikimedia("commons.wikimedia.org.")
+    assert not tools.is_wikimedia("notwikipedia.org") and not tools.is_wikimedia("example.org")
+
+
+# ----------------------------------------------------------------------------- Local_Search on an index
+
+def test_local_search_on_a_built_index_answers_as_the_corpus_does(corpus, tmp_path):
+    from retriever import build_index
+    build_index(corpus, tmp_path / "index", progress=False)
+    in_memory = tools.LocalSearch({"corpus": str(corpus), "search_top_k": 2})
+    on_disk = tools.LocalSearch({"corpus": "/nonexistent", "corpus_index": str(tmp_path / "index"), "search_top_k": 2})
+    for q in ("When was Velmora founded?", "bells", "mayor of Velmora", "quantum chromodynamics"):
+        assert on_disk.run(q) == in_memory.run(q), q
+    r = tools.LocalSearch({"corpus_index": str(tmp_path / "none")}).run("Velmora")
+    assert r.infra and "retriever.py build" in r.error
+
+
+def test_backoff_is_capped_by_the_longest_wait(server, monkeypatch, waits):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    server.routes["/search"] = flaky(500, 99)
+    r = serper(server, retry_attempts=6, retry_backoff_s=10, retry_max_wait_s=15, retry_total_s=1000).run("x")
+    assert r.infra and len(server.seen) == 6 and max(waits) == 15 and len(waits) == 5

@@ -175,3 +175,114 @@ def test_eval_on_official_files_writes_results_and_resumes(tiny_model_dir, tmp_p
 def test_shipped_configs_are_valid(path):
     cfg = load_config(str(path))
     assert cfg["train"]["group_size"] >= 2 and cfg["agent"]["tools"]
+
+
+# ----------------------------------------------------------------------------- infrastructure failures
+
+def fake_trajectories(turns_per_traj, rewards):
+    from agentflow import PlannerTurn, Trajectory
+    from memory import Memory
+    trajs = []
+    for k, (T, r) in enumerate(zip(turns_per_traj, rewards)):
+        tr = Trajectory(f"q{k}", Memory(100, 100))
+        tr.turns = [PlannerTurn([1, 2, k], [3 + t], [-0.5], "") for t in range(T)]
+        tr.reward = r
+        trajs.append(tr)
+    return trajs
+
+
+def test_kept_rows_keeps_the_weights_of_J_for_what_remains():
+    from flow_grpo import build_rows, group_advantages
+    from train import kept_rows
+    G, turns = 4, [1, 2, 3, 1, 2, 2, 1, 3, 1, 1, 2, 3]
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    # Nothing left out: exactly the rows of the whole batch (the path every offline run takes).
+    trajs = fake_trajectories(turns, rewards)
+    rows, groups = kept_rows(trajs, [True] * 12, G)
+    expected = build_rows(trajs, group_advantages(rewards, G, turns))
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [(r.advantage, r.weight, r.action_ids) for r in rows] == \
+        [(r.advantage, r.weight, r.action_ids) for r in expected]  # equal floats, not just close
+    # Trajectory 1 failed, and 4, 6, 7 of group 2: group 1 keeps three rollouts, group 2 one (dropped).
+    trajs = fake_trajectories(turns, rewards)
+    usable = [k not in (1, 4, 6, 7) for k in range(12)]
+    rows, groups = kept_rows(trajs, usable, G)
+    assert groups == [[0, 2, 3], [8, 9, 10, 11]]
+    kept = [0, 2, 3, 8, 9, 10, 11]
+    assert len(rows) == sum(turns[k] for k in kept)
+    adv = group_advantages([rewards[k] for k in (0, 2, 3)], 3)  # normalised over the three that remain
+    assert [trajs[k].advantage for k in (0, 2, 3)] == adv and trajs[1].advantage is None
+    at = 0
+    for g in groups:  # weight 1 / (Q' G_q T_i): each kept query weighs 1/Q', each trajectory in it 1/G_q
+        for k in g:
+            for row in rows[at:at + turns[k]]:
+                assert row.weight == pytest.approx(1 / (2 * len(g) * turns[k]), rel=1e-15)
+                assert row.advantage == trajs[k].advantage
+            at += turns[k]
+    assert sum(r.weight for r in rows) == pytest.approx(1.0)
+    # A group left with one rollout carries nothing: A = 0 for it alone.
+    assert group_advantages([1.0], 1) == [0.0]
+
+
+@pytest.fixture()
+def search_down(monkeypatch):
+    """Local_Search fails as the network would after its retries (an outage, a quota)."""
+    from tools import LocalSearch, ToolError
+
+    def down(self, command):
+        raise ToolError("HTTP 503 from search.example (gave up after 4 tries)", infra=True)
+    monkeypatch.setattr(LocalSearch, "_run", down)
+
+
+def test_infrastructure_failures_are_left_out_of_the_update(tiny_model_dir, tmp_path, learnable_reward, search_down,
+                                                           monkeypatch):
+    updates = []
+    real = train.policy_update
+    monkeypatch.setattr(train, "policy_update", lambda model, ref, opt, rows, *a, **kw:
+                        updates.append(rows) or real(model, ref, opt, rows, *a, **kw))
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1", "train.queries_per_step=4",
+                   "train.group_size=3", "eval.limit=8")
+    run(cfg)
+    out = tmp_path / "run"
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    failed = [any(r["infra"] for r in t["memory"]) for t in trajs]
+    assert 0 < sum(failed) < 10, "the seed must give some failures and keep some groups"
+    for t, f in zip(trajs, failed):  # a failure is never scored
+        assert (t["reward"] is None) == f and t["infra_failures"] == (sum(r["infra"] for r in t["memory"]))
+    groups = [[k for k in range(q, q + 3) if not failed[k]] for q in range(0, 12, 3)]
+    groups = [g for g in groups if len(g) >= 2]
+    kept = [k for g in groups for k in g]
+    assert metrics["infra_failures"] == sum(t["infra_failures"] for t in trajs)
+    assert metrics["excluded_trajectories"] == 12 - len(kept) and metrics["excluded_groups"] == 4 - len(groups)
+    assert metrics["judge"]["rule"] == 12 - sum(failed)  # the failed ones were not judged
+    assert all(t["advantage"] is None for k, t in enumerate(trajs) if k not in kept)
+    (rows,) = updates
+    assert len(rows) == sum(trajs[k]["n_turns"] for k in kept) and sum(r.weight for r in rows) == pytest.approx(1.0)
+    judged = [t["reward"] for t in trajs if t["reward"] is not None]
+    assert metrics["reward_mean"] == pytest.approx(sum(judged) / len(judged))  # over what was judged
+    assert all(trajs[k]["reward"] in (0.0, 1.0) for k in kept)
+    # The model's own tool errors are counted apart from these.
+    model_errors = sum(1 for t in trajs for r in t["memory"] if r["tool"] and r["error"] and not r["infra"])
+    calls = sum(len(t["tools"]) for t in trajs)
+    assert metrics["tool_error_rate"] == pytest.approx(model_errors / calls)
+    # Held-out: failed items are reported as such and stay in the denominator.
+    summary = json.loads((out / "eval" / "step_1" / "summary.json").read_text())
+    rows_eval = [json.loads(line) for line in (out / "eval" / "step_1" / "results.jsonl").read_text().splitlines()]
+    hit = [r for r in rows_eval if r["infra_failures"]]
+    assert summary["n"] == 8 and summary["infra_failures"] == len(hit)
+    clean = [r for r in rows_eval if not r["infra_failures"]]
+    assert summary["accuracy_without_infra"] == (sum(r["correct"] for r in clean) / len(clean) if clean else None)
+
+
+def test_a_step_where_every_rollout_failed_does_not_update(tiny_model_dir, tmp_path, learnable_reward, search_down,
+                                                          capsys):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1", "agent.force_tool=Local_Search",
+                   "train.eval_before_after=false")
+    run(cfg)
+    (metrics,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["excluded_trajectories"] == 4 and metrics["excluded_groups"] == 2
+    assert metrics["reward_mean"] is None and metrics["kl"] is None and metrics["optimizer_steps"] == 0
+    assert "no update" in capsys.readouterr().err
+    before, after = weights(tiny_model_dir), weights(tmp_path / "run" / "checkpoints" / "step_1")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing moved
