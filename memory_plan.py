@@ -136,10 +136,11 @@ def transient_per_token_layer(shape: Shape, s: int) -> int:
     return s * (4 * h + 3 * I) + 8 * h
 
 
-def reserve_bytes(budget: float) -> float:
-    """Room the plan keeps free: the CUDA context and cuBLAS workspaces (~1 GB) and the
-    caching allocator's slack (3% of the budget; train.py enables expandable segments)."""
-    return 1 * GB + 0.03 * budget
+def reserve_bytes(budget: float, device: str) -> float:
+    """Room the plan keeps free: the allocator's slack (3% of the budget; on CUDA
+    train.py enables expandable segments) and on CUDA the context and cuBLAS
+    workspaces (~1 GB), which torch does not count as its tensors."""
+    return (1 * GB if device == "cuda" else 0.0) + 0.03 * budget
 
 
 def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, max_prompt: int, max_new: int,
@@ -160,9 +161,10 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     # bf16 weight's own gradient lives only until its hook moves it (the largest tensor's).
     opt = shape.trained * (4 * 3 + (4 if low else 0)) + (shape.largest_trained * s if low else 0)
     add(("fp32 masters + AdamW moments + fp32 gradients" if low else "AdamW moments + gradients (fp32)", opt, ""))
-    reserve = reserve_bytes(budget) if budget is not None else 0.0
+    reserve = reserve_bytes(budget, device) if budget is not None else 0.0
     if budget is not None:
-        add(("reserve: CUDA context, allocator slack (1 GB + 3%)", reserve, ""))
+        add(("reserve: " + ("CUDA context, allocator slack (1 GB + 3%)" if device == "cuda"
+                            else "allocator slack (3%)"), reserve, ""))
     plan.resident = weights + ref_copies + opt + reserve
     add(("= resident", plan.resident, ""))
 

@@ -55,14 +55,30 @@ class MasterWeights:
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = list(params)  # the model's bf16 / fp16 weights
+        for p in self.params:  # two sets of hooks would race for the same gradient
+            owner = getattr(p, "_fp32_masters", None)
+            if owner is not None and any(q is p for q in owner.params):
+                raise RuntimeError("a weight already has an fp32 master: call remove() on the old MasterWeights first")
+            p._fp32_masters = self
         self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]  # fp32
         self._hooks = [p.register_post_accumulate_grad_hook(self._into(m)) for p, m in zip(self.params, self.masters)]
+
+    def remove(self) -> None:
+        """Detach from the weights (their gradients then stay in .grad again)."""
+        for h in self._hooks:
+            h.remove()
+        for p in self.params:
+            if getattr(p, "_fp32_masters", None) is self:
+                del p._fp32_masters
+        self._hooks, self.params = [], []
 
     @staticmethod
     def _into(master: torch.nn.Parameter):
         def add(p: torch.Tensor) -> None:
             # Runs once the backward pass has put this weight's gradient in p.grad: move it
             # to the master in fp32 (summed over micro-batches there), free the bf16 one.
+            if p.grad is None:
+                return
             g = p.grad.float()
             if master.grad is None:
                 master.grad = g

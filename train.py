@@ -186,7 +186,9 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
 
     # 2. Rollout: Q*G trajectories in lockstep; copies of a query are consecutive (a group).
     t0 = time.time()
+    waves = agent.planner.waves_run + agent.frozen.waves_run
     trajs = agent.rollout([it.question for it in queries for _ in range(G)], seed=seed)
+    waves = agent.planner.waves_run + agent.frozen.waves_run - waves  # sampler waves (> calls when memory-bound)
     t1 = time.time()
 
     # 3. Judge: R_i in {0, 1} from the final answer alone. A judge that fails gives 0, never 1.
@@ -225,7 +227,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
             "tool_shares": {k: v / n_calls for k, v in sorted(tool_calls.items())},
             "top_tool": tool_calls.most_common(1)[0][0] if tool_calls else "-",
             "tool_error_rate": sum(tr.tool_errors for tr in trajs) / n_calls if n_calls else 0.0,
-            "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0],
+            "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0], "sampler_waves": waves,
             "time_rollout": t1 - t0, "time_judge": t2 - t1, "time_update": t3 - t2}
 
 
