@@ -220,9 +220,27 @@ def check_speed(r: Report, z: dict, dev: str) -> None:
     r.figure("speed_same_greedy_tokens_as_generate", same)
 
 
+class CudaCounters:
+    """torch's own count of the bytes its tensors hold on the GPU (not the allocator's cache)."""
+    sync = staticmethod(torch.cuda.synchronize)
+    now = staticmethod(torch.cuda.memory_allocated)
+    peak = staticmethod(torch.cuda.max_memory_allocated)
+    reset = staticmethod(torch.cuda.reset_peak_memory_stats)
+
+    @staticmethod
+    def total() -> float:
+        return float(torch.cuda.get_device_properties(0).total_memory)
+
+
+def counters(dev: str):
+    """The memory counters of `dev`, or None where torch keeps none (a CPU)."""
+    return CudaCounters if dev == "cuda" else None
+
+
 def check_memory(r: Report, z: dict, dev: str) -> None:
     """Peaks of a rollout-sized sampler call and of an update against the plan's figures."""
-    if dev != "cuda":
+    mem = counters(dev)
+    if mem is None:
         r.figure("memory", "skipped (no CUDA: torch.cuda.max_memory_allocated needs a GPU)")
         return
     model = build_model(z, dev, torch.bfloat16)
@@ -231,7 +249,7 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     ref = optim.frozen_reference(model, trained)
     opt, masters = optim.make_optimizer(trained, 1e-6)
     prompts = make_prompts(z, z["rows"], seed=4)
-    budget = float(torch.cuda.get_device_properties(0).total_memory)
+    budget = mem.total()
     shape = memory_plan.model_shape(model.config, train_layers, name="gpu_check model")
     plan = memory_plan.make_plan(shape, dtype="bfloat16", device="cuda", budget=budget,
                                  max_prompt=max(map(len, prompts)), max_new=z["new"], planner_new=z["new"],
@@ -253,23 +271,23 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
                                    llm.pad_id, masters=masters, micro_batch=z["micro_batch"],
                                    max_tokens=plan.update_tokens)
     update()
-    torch.cuda.synchronize()
-    resident = torch.cuda.memory_allocated()
+    mem.sync()
+    resident = mem.now()
     r.figure("memory_resident_gb", resident / GB)
     r.figure("memory_resident_planned_gb", resident_planned / GB)
-    torch.cuda.reset_peak_memory_stats()
+    mem.reset()
     waves = llm.waves_run
     llm.sample(prompts, SamplingParams(1.0, z["new"]), seed=6)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    mem.sync()
+    peak = mem.peak()
     r.figure("memory_sampler_waves", llm.waves_run - waves)
     r.figure("memory_sampler_peak_gb", peak / GB)
     r.figure("memory_sampler_peak_planned_gb", (resident_planned + plan.sampler) / GB)
     r.check("memory_sampler_within_plan", peak <= resident_planned + plan.sampler, (peak - resident) / GB)
-    torch.cuda.reset_peak_memory_stats()
+    mem.reset()
     update()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    mem.sync()
+    peak = mem.peak()
     r.figure("memory_update_peak_gb", peak / GB)
     r.figure("memory_update_peak_planned_gb", (resident_planned + plan.update) / GB)
     r.check("memory_update_within_plan", peak <= resident_planned + plan.update, (peak - resident) / GB)

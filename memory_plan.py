@@ -208,7 +208,11 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     chunk = min(logits_chunk, micro_batch * planner_new)
     logits = chunk * shape.vocab * (12 + s)  # one chunk: logits (s), float32 z, log-softmax, exp (or softmax, d z)
     add((f"  + the logits of one chunk: {chunk} positions x {shape.vocab}", logits, "train.logits_chunk"))
-    plan.update = saved + transient + mask + logits
+    # After the backward pass, with the activations gone: torch's foreach AdamW makes one
+    # fp32 temporary the size of the trained weights (sqrt of the second moment).
+    step = shape.trained * 4
+    add(("  or: the optimizer step's temporaries (one fp32 copy of the trained weights)", step, ""))
+    plan.update = max(saved + transient + mask + logits, step)
     plan.update_tokens = tokens if budget is not None else 0
 
     if budget is not None:

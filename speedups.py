@@ -798,7 +798,7 @@ def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     weight below its rounding step (~6e-8) adds nothing, so with a 152k vocabulary tens
     of thousands of tail tokens would get intervals of width zero and could never be
     drawn; float64 resolves weights down to ~1e-16 of the total."""
-    c = weights.double().cumsum(-1)  # [b, V] non-decreasing: adding w >= 0 never lowers a float sum
+    c = weights.cumsum(-1, dtype=torch.float64)  # [b, V] non-decreasing: adding w >= 0 never lowers a float sum
     u = torch.rand(c.shape[0], 1, generator=gen, device=c.device, dtype=c.dtype) * c[:, -1:]  # [b, 1]
     tok = torch.searchsorted(c, u, right=True)[:, 0]  # [b] how many c_i <= u: the first i with c_i > u
     # u rounded up to c_V (odds ~1e-16 a draw): no c_i exceeds it; u then sits at the end of the

@@ -421,3 +421,27 @@ def test_first_update_is_exactly_on_policy_in_bf16(bf16_policy, epochs, minibatc
     else:
         ratio, mask = seen[-1]
         assert float((ratio - 1).abs()[mask.bool()].max()) > 0  # the weights moved: rho != 1 later
+
+
+def test_entropy_is_that_of_the_distribution_sampled_from(tiny_llm):
+    """The entropy metric: at token 0 the restricted softmax at the first temperature (the
+    tool choice the planner drew), elsewhere the full softmax at the temperature."""
+    allowed = tuple(sorted(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
+                           for n in ("Python_Coder", "Local_Search", "Base_Generator")))
+    sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
+    trajs = make_trajectories(tiny_llm, 1, 2, seed=11, first_tokens=allowed, first_temperature=2.0)
+    rows = build_rows(trajs, [0.0, 0.0])
+    for fast in (True, False):
+        with torch.no_grad():
+            _, entropy, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, fast, chunk=3)
+        for i, r in enumerate(rows):
+            with torch.no_grad():
+                logits = tiny_llm.model(torch.tensor([r.prompt_ids + r.action_ids])).logits[0].float()  # [S, V]
+            for j in range(len(r.action_ids)):
+                z = logits[len(r.prompt_ids) - 1 + j] / sampling.temperature_at(j)
+                if j == 0:
+                    z = z[list(allowed)]
+                p = torch.softmax(z, -1)
+                want = float(-(p * p.log()).sum())
+                got = float(entropy[i, mask.shape[1] - len(r.action_ids) + j])
+                assert got == pytest.approx(want, abs=1e-4), (fast, i, j)

@@ -16,3 +16,20 @@ def test_gpu_check_runs_on_a_cpu(capsys):
                  "speed_sampler_tokens_per_s", "speed_generate_tokens_per_s", "memory"):
         assert name in figures, name
     assert all(v == "True" for k, v in figures.items() if k.endswith("_ok"))
+
+
+def test_the_memory_part_runs_on_fake_counters(monkeypatch, capsys):
+    """The CUDA-only part (the peaks against the plan) with made-up counters on a CPU: it
+    must run through and print its figures (their values mean nothing here)."""
+    class Fake:
+        sync = reset = staticmethod(lambda: None)
+        now = peak = staticmethod(lambda: 1e6)
+        total = staticmethod(lambda: 1e9)
+
+    monkeypatch.setattr(gpu_check, "counters", lambda dev: Fake)
+    r = gpu_check.Report()
+    gpu_check.check_memory(r, gpu_check.SIZES["cpu"], "cpu")
+    out = capsys.readouterr().out
+    for name in ("plan: memory plan", "memory_sampler_peak_planned_gb", "memory_update_peak_planned_gb",
+                 "memory_sampler_waves", "memory_resident_within_plan_ok"):
+        assert name in out, name

@@ -100,7 +100,7 @@ def test_the_update_follows_an_fp32_model(bf16_model):
     _, masters = train(ours, 60)
     train(fp32, 60)
     for (name, p0), m, r in zip(bf16_model.named_parameters(), masters.masters, fp32.parameters()):
-        dm, dr = m.detach() - p0.float(), r.detach() - p0.float()
+        dm, dr = (m - p0.float()).detach(), (r - p0.float()).detach()
         if "k_proj.bias" in name:  # its gradient is 0 in exact arithmetic (the same q.b is added to
             continue  # every key's score, and softmax ignores it): both updates are rounding noise
         cos = float((dm * dr).sum() / (dm.norm() * dr.norm()))
