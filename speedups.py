@@ -56,6 +56,7 @@ class RoomyLayer(DynamicLayer):
     def __init__(self, capacity: int = 0, rows: int = 0):
         super().__init__()
         self.capacity, self.rows = capacity, rows  # planned positions and rows; 0 = grow as needed
+        self.length, self.k_buf, self.v_buf = 0, None, None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)

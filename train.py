@@ -64,7 +64,11 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv[0], argv[1:])
         if plan_only:  # the model's config.json is all it reads: no data, no tools, no weights
-            plan = plan_for(cfg)
+            try:
+                plan = plan_for(cfg)
+            except OSError as e:  # no config.json there, or a hub id without network
+                print(f"error: cannot read the config.json of model.name={cfg['model']['name']}: {e}", file=sys.stderr)
+                return 2
             print(plan.text())
             return 0 if plan.fits else 3
         preflight(cfg)  # paths, model name, API keys: before minutes of model loading

@@ -588,3 +588,14 @@ def test_looking_every_8_tokens_equals_every_token(tiny_llm):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
             finishes.add(a.finish)
     assert finishes == {"eos", "stop", "length"}
+
+
+@pytest.mark.parametrize("cap", [None, 40])
+def test_families_without_a_common_prefix(tiny_llm, cap):
+    """Rows that share text in pairs but nothing all together (no prefix run once), with
+    and without a prefill cap: greedy tokens and log-probs of full recomputation."""
+    q1, q2 = list(range(30, 42)), list(range(50, 60))
+    prompts = [q1 + [7], q1 + [8, 9] * 10, q2 + [3] * 20, q2 + [4], [60, 61, 62]]
+    llm = LLM(tiny_llm.model, tiny_llm.tok)
+    llm.prefill_tokens = cap
+    check_against_naive(llm, prompts, n=5)

@@ -134,6 +134,7 @@ def test_draws_are_stratified_by_task_kind():
     ("model.device=tpu", ["model.device", "cpu"]),
     ("steps", ["key=value"]),
     ("agent.force_tool=Wikipedia_Search", ["agent.force_tool", "Python_Coder"]),
+    ("train.bf16_autocast=true", ["removed", "model.dtype=bfloat16"]),  # unscoreable: fp32 sampler, bf16 loss
 ])
 def test_bad_config_names_the_key_and_the_fix(override, words):
     with pytest.raises(ConfigError) as e:
