@@ -118,14 +118,16 @@ class Plan:
 
 
 # Per token and decoder layer, what autograd keeps for the backward pass of a trained
-# Llama / Qwen2 block, in bytes, for weights of `s` bytes: each RMSNorm keeps its input
-# in float32 (4h) and its output (s h); attention keeps q, the keys and values repeated
-# to every head (transformers repeats them whenever a padding mask is passed) and its
-# output (4 s h), o_proj its input (s h); the MLP keeps gate, up, act(gate) and their
-# product (4 s I).
-def saved_per_token_layer(shape: Shape, s: int) -> int:
+# Llama / Qwen2 block, in bytes, for weights of `s` bytes and sequences of `seq` tokens:
+# each RMSNorm keeps its input in float32 (4h), its normalised input and its output (the
+# next projections' input; 2 s h); attention keeps q, the keys and values repeated to
+# every head (transformers repeats them whenever a padding mask is passed), its output
+# and o_proj's input (5 s h), its log-sum-exp (4 per head) and its row of the 4-D mask
+# (s per key); the MLP keeps gate, up, act(gate) and their product (4 s I).
+# tests/test_memory_plan.py counts what autograd really saves against this.
+def saved_per_token_layer(shape: Shape, s: int, seq: int) -> int:
     h, I = shape.hidden, shape.intermediate
-    return 2 * (4 + s) * h + 5 * s * h + 4 * s * I
+    return 2 * (4 + 2 * s) * h + 5 * s * h + 4 * shape.heads + s * seq + 4 * s * I
 
 
 # The most one layer's forward holds at once without saving anything (a frozen layer, the
@@ -199,8 +201,8 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     # The update: one micro-batch's forward and backward.
     seq = max_prompt + planner_new
     tokens = micro_batch * seq
-    saved = tokens * (shape.trained_layers * saved_per_token_layer(shape, s) + (4 + s) * shape.hidden)
-    transient = tokens * max(saved_per_token_layer(shape, s), transient_per_token_layer(shape, s))
+    saved = tokens * (shape.trained_layers * saved_per_token_layer(shape, s, seq) + (4 + s) * shape.hidden)
+    transient = tokens * max(saved_per_token_layer(shape, s, seq), transient_per_token_layer(shape, s))
     mask = micro_batch * seq * seq * s
     add((f"update: activations, {micro_batch} x {seq} tokens x {shape.trained_layers} trained blocks",
          saved, "train.micro_batch, train.train_layers"))
@@ -211,7 +213,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     # After the backward pass, with the activations gone: torch's foreach AdamW makes one
     # fp32 temporary the size of the trained weights (sqrt of the second moment).
     step = shape.trained * 4
-    add(("  or: the optimizer step's temporaries (one fp32 copy of the trained weights)", step, ""))
+    add(("  or: the optimizer step's temporaries (fp32, foreach AdamW)", step, ""))
     plan.update = max(saved + transient + mask + logits, step)
     plan.update_tokens = tokens if budget is not None else 0
 
