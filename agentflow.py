@@ -153,9 +153,16 @@ class LLM:
     once, an in-place cache, a written-out decode step and a cheaper draw. Both give the
     same greedy tokens and log-probs (tests/test_sampler.py); sampled tokens differ
     because the draw uses the random stream differently.
+
+    Memory (set by train.py from the memory plan; None = no limit, the CPU default):
+    `wave_bytes` caps one wave of rows (their KV cache at its final size and the decode
+    step's logits): more rows than fit run as successive waves. `prefill_tokens` caps
+    what one prefill forward holds. `check_every`: how many tokens are drawn between two
+    looks at the stop rules, which need the tokens on the host: every token on a CPU
+    (where that costs nothing), every 8 on a GPU (each look waits for the device).
     """
 
-    def __init__(self, model, tokenizer, fast: bool = True):
+    def __init__(self, model, tokenizer, fast: bool = True, check_every: int | None = None):
         self.model, self.tok = model, tokenizer
         eos = {tokenizer.eos_token_id}
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -165,6 +172,10 @@ class LLM:
         self.fast = fast
         # One new token per row: speedups.decode_step where this machine runs it faster.
         self.decode = (speedups.choose_decode(model) if fast else None) or decode
+        self.wave_bytes: int | None = None
+        self.prefill_tokens: int | None = None
+        self.check_every = check_every or (8 if self.device.type == "cuda" else 1)
+        self.waves_run = 0  # waves sampled so far (metrics, tests)
 
     @property
     def device(self):
@@ -198,12 +209,50 @@ class LLM:
         if n == 0:
             return []
         stops = row_stops or [params.stop] * n
-        dev = self.device
-        gen = torch.Generator(device=dev).manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        out = []
+        for rows in self._waves(prompts, params.max_new_tokens):  # consecutive rows; one wave without a limit
+            out += self._sample_wave([prompts[i] for i in rows], params, gen, [stops[i] for i in rows])
+            self.waves_run += 1
+        return out
+
+    def _waves(self, prompts: list[list[int]], max_new: int) -> list[range]:
+        """Consecutive runs of rows whose cache (laid out as the prefill lays them out, at
+        its final size) and decode logits fit self.wave_bytes; at least one row each.
+        Consecutive: the G rollouts of a query stay together and share their text."""
+        n = len(prompts)
+        if self.wave_bytes is None:
+            return [range(n)]
+        per_token = speedups.kv_bytes_per_token(self.model.config, next(self.model.parameters()).element_size())
+        per_row = self.model.config.vocab_size * speedups.DECODE_BYTES_PER_LOGIT
+
+        def cost(rows: range) -> int:  # the wave's cache and decode logits, in bytes
+            part = [prompts[i] for i in rows]
+            if self.fast:  # the fast prefill's layout of the distinct prompts
+                unique = speedups.unique_prompts(part)[0]
+                width = speedups.layout(unique, [len(p) - 1 for p in unique]).width
+            else:  # the plain prefill: common prefix + longest rest = the longest prompt
+                width = max(map(len, part))
+            return len(part) * ((width + max_new) * per_token + per_row)
+
+        waves, start = [], 0
+        while start < n:
+            longest = max(len(p) for p in prompts[start:])  # the width is at least this
+            k = max(1, min(n - start, self.wave_bytes // ((longest + max_new) * per_token + per_row)))
+            while k > 1 and cost(range(start, start + k)) > self.wave_bytes:
+                k = max(1, min(k - 1, k * self.wave_bytes // cost(range(start, start + k))))
+            waves.append(range(start, start + k))
+            start += k
+        return waves
+
+    def _sample_wave(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator,
+                     stops: list[tuple[str, ...]]) -> list[Sample]:
+        n, dev, M = len(prompts), self.device, params.max_new_tokens
         # 1. Prefill: every prompt's keys and values into the cache, and the logits that
         #    predict each row's first new token.
         if self.fast:
-            logits, mask, cache = speedups.prefill_prompts(self.model, prompts, self.pad_id)
+            logits, mask, cache = speedups.prefill_prompts(self.model, prompts, self.pad_id, extra=M,
+                                                           max_tokens=self.prefill_tokens)
         else:
             cache = DynamicCache()
             logits, mask = prefill(self.model, prompts, self.pad_id, cache)
@@ -211,40 +260,58 @@ class LLM:
         next_pos = mask.sum(-1, keepdim=True)  # [n, 1] position of the next token
 
         # 2. Decode. `live` maps the rows of the shrinking batch to the original prompts.
+        #    Drawn tokens and their log-probs wait on the device ([n, M] each) until the next
+        #    look at the stop rules, which reads them back, ends rows at their finishing
+        #    token, and drops finished rows (a row that ended since the last look has run a
+        #    few steps too many: those tokens are discarded).
         live = torch.arange(n, device=dev)
+        drawn = torch.zeros((n, M), dtype=torch.long, device=dev)  # [n, M]
+        drawn_lp = torch.zeros((n, M), device=dev)  # [n, M]
         new_ids: list[list[int]] = [[] for _ in range(n)]
         new_lp: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
-        eos = torch.tensor(self.eos_ids, device=dev)
-        for step in range(params.max_new_tokens):
+        eos, looked = set(self.eos_ids), 0
+        for step in range(M):
             if step == 0 and params.first_tokens:
                 logits = restrict(logits, params.first_tokens)
             tok, lp = pick(logits, params.temperature_at(step), gen,
                            speedups.draw if self.fast else multinomial)  # [b], [b]
-            tok_l, lp_l, live_l = tok.tolist(), lp.tolist(), live.tolist()
-            keep = []
-            is_eos = torch.isin(tok, eos).tolist()
-            for j, row in enumerate(live_l):
-                new_ids[row].append(tok_l[j])
-                new_lp[row].append(lp_l[j])
-                if is_eos[j]:
-                    finish[row] = "eos"
-                elif stops[row] and self._hit_stop(new_ids[row], stops[row]):
-                    finish[row] = "stop"
-                else:
-                    keep.append(j)
-            if not keep or step == params.max_new_tokens - 1:
-                break
-            if len(keep) < len(live_l):  # drop finished rows from everything we carry
-                idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                live, tok, mask, next_pos = live[idx], tok[idx], mask[idx], next_pos[idx]
+            drawn[live, step], drawn_lp[live, step] = tok, lp
+            if step + 1 - looked == self.check_every or step == M - 1:
+                keep = self._look(live, drawn[live, looked:step + 1].tolist(), drawn_lp[live, looked:step + 1].tolist(),
+                                  new_ids, new_lp, finish, stops, eos)
+                looked = step + 1
+                if not keep or step == M - 1:
+                    break
+                if len(keep) < len(live):  # drop finished rows from everything we carry
+                    idx = torch.tensor(keep, device=dev)
+                    cache.batch_select_indices(idx)
+                    live, tok, mask, next_pos = live[idx], tok[idx], mask[idx], next_pos[idx]
             mask = torch.cat([mask, torch.ones_like(next_pos)], dim=-1)  # [b, len+1]
             logits = self.decode(self.model, tok, next_pos, mask, cache).float()  # [b, V]
             next_pos = next_pos + 1
 
         return [Sample(ids=new_ids[i], logprobs=new_lp[i], text=self._text(new_ids[i], stops[i]),
                        finish=finish[i]) for i in range(n)]
+
+    def _look(self, live: torch.Tensor, ids: list[list[int]], lps: list[list[float]], new_ids, new_lp, finish,
+              stops, eos: set[int]) -> list[int]:
+        """Append each live row's tokens since the last look, up to the one that finishes it
+        (EOS, or the token that completes a stop string); return the live rows that go on."""
+        keep = []
+        for j, row in enumerate(live.tolist()):
+            for t, l in zip(ids[j], lps[j]):
+                new_ids[row].append(t)
+                new_lp[row].append(l)
+                if t in eos:
+                    finish[row] = "eos"
+                    break
+                if stops[row] and self._hit_stop(new_ids[row], stops[row]):
+                    finish[row] = "stop"
+                    break
+            else:
+                keep.append(j)
+        return keep
 
     def _hit_stop(self, ids: list[int], stops: tuple[str, ...]) -> bool:
         # A stop string is at most a few tokens long: decoding the tail is enough.

@@ -29,6 +29,10 @@ DEFAULTS = {
         "device": "auto",  # auto | cpu | cuda
         "dtype": "float32",  # weights' dtype: float32 | bfloat16 | float16
         "threads": 0,  # torch CPU threads; 0 = leave torch's default
+        # The memory plan (memory_plan.py, printed at start; `python train.py CONFIG --plan`).
+        "memory_gb": 0.0,  # memory the run may use, GB of 1e9 bytes; 0 = the device's total on CUDA, no limit on CPU
+        "max_prompt_tokens": 2048,  # the longest prompt the plan provisions for (longer ones run in smaller waves)
+        "prefill_tokens": 8192,  # under a memory limit: tokens one prefill forward may hold (rows x cached + new)
     },
     "agent": {
         "tools": ["Base_Generator", "Python_Coder", "Local_Search"],  # the toolset K
@@ -71,8 +75,8 @@ DEFAULTS = {
         "epochs": 1,  # PPO epochs over one rollout batch
         "minibatches": 1,  # optimizer steps per epoch
         "micro_batch": 16,  # rows per forward/backward (memory only; the result does not change)
+        "logits_chunk": 1024,  # action positions whose [chunk, V] float32 logits exist at once in the loss
         "train_layers": 0,  # 0 = train every weight; N = only the top N blocks and the final norm
-        "bf16_autocast": False,  # CUDA only: run the update's forward in bfloat16
         "save_every": 10,  # checkpoint every N steps (and at the end)
         "eval_every": 0,  # held-out evaluation every N steps (0 = only before and after)
         "eval_before_after": True,  # held-out evaluation before the first and after the last step
@@ -102,6 +106,14 @@ CHOICES = {
     "train.advantage_mode": ("trajectory", "turn_rows"),
     "tools.python_isolation": ("namespaces", "rlimits"),
     "tools.google_provider": TOOL_CLASSES["Google_Search"].PROVIDERS,
+}
+
+
+# Keys that existed once, and why they went: an old config fails with the reason.
+REMOVED = {
+    "train.bf16_autocast": "it ran the update in bfloat16 over float32 weights that sample in float32, so the "
+                           "loss could never score exactly what the sampler drew; set model.dtype=bfloat16 "
+                           "instead (the sampler and the trainer then share the weights, with fp32 masters)",
 }
 
 
@@ -136,6 +148,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
 def _merge(cfg: dict, new: dict, ref: dict, prefix: str) -> None:
     for key, value in new.items():
         name = prefix + str(key)
+        if name in REMOVED:
+            raise ConfigError(f"config key '{name}' was removed: {REMOVED[name]}")
         if key not in ref:
             raise ConfigError(f"unknown config key '{name}'; allowed here: {', '.join(sorted(ref))}")
         want = ref[key]
@@ -182,8 +196,10 @@ def _check_combinations(cfg: dict) -> None:
                           "has advantage 0")
     if not 0 <= t["eps_low"] < 1 or t["eps_high"] < 0:
         raise ConfigError("train.eps_low must be in [0, 1) and train.eps_high >= 0")
-    if t["bf16_autocast"] and cfg["model"]["device"] == "cpu":
-        raise ConfigError("train.bf16_autocast needs model.device cuda (or auto on a GPU machine)")
+    m = cfg["model"]
+    if m["memory_gb"] < 0 or m["max_prompt_tokens"] < 1 or m["prefill_tokens"] < 1 or t["logits_chunk"] < 1:
+        raise ConfigError("model.memory_gb must be >= 0, model.max_prompt_tokens, model.prefill_tokens and "
+                          "train.logits_chunk >= 1")
     if a["max_turns"] < 1 or cfg["eval"]["max_turns"] < 1:
         raise ConfigError("agent.max_turns and eval.max_turns must be >= 1")
     if not a["tools"]:

@@ -70,6 +70,9 @@ def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge
     try:
         trajs = agent.rollout([it.question for it in batch], seed=seed, max_turns=max_turns)
     except Exception as e:  # a crash costs the batch, not the run; each item says why
+        import torch
+        if isinstance(e, torch.OutOfMemoryError):  # not the items' fault: the run must stop and say so
+            raise
         return [_row(it, None, {"correct": False, "f1": 0.0, "extracted": ""},
                      f"crashed: {type(e).__name__}: {e}") for it in batch]
     try:

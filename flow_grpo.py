@@ -9,9 +9,15 @@ Paper, section 2. Every symbol of the objective lives in this file:
     T_i        planner turns of trajectory i                     -> build_rows, TurnRow.weight
     |a_i^t|    tokens of the planner's action at turn t          -> flow_grpo_loss, `n_tok`
     rho_ij^t   pi_theta(token) / pi_theta_old(token)             -> flow_grpo_loss, `ratio`
+               pi_theta_old: the trainer's own forward at the weights that sampled (policy_update)
     A_i^t      = A_i = (R_i - mean_k R_k) / (std_k R_k + eps)    -> group_advantages
     eps_low, eps_high  the asymmetric clip range                 -> LossConfig, flow_grpo_loss
     beta       the KL coefficient, KL estimated per token by k3  -> LossConfig, flow_grpo_loss, `kl`
+    KL         k3 = e^d - d - 1, d = log pi_ref - log pi, CLAMPED -> k3_kl: d to [-20, 20], k3 to <= 10
+               (verl's "low_var_kl"). Its gradient per token, d k3 / d log pi = 1 - e^d, is then
+               bounded: |1 - e^d| <= e^2.61 - 1 ~ 12.6 where k3 < 10, and exactly 0 beyond the
+               clamp (k3 = 10 at d ~ 2.61 and d ~ -11). Unclamped, a token at d = 10 pulled with
+               1 - e^10 ~ -2.2e4 and could outweigh a whole batch.
 
 `reference_objective` writes J as one Python loop per average, exactly as above; the
 batched `flow_grpo_loss` must equal it (tests/test_flow_grpo.py), and a reader can
@@ -27,14 +33,20 @@ the G rollouts of a query (the official code normalises over all turn rows of a 
 so long trajectories weigh more; `advantage_mode: turn_rows` reproduces that), and the
 1/T_i average keeps a long trajectory from outweighing a short one.
 
-What we simplify: pi_theta_old is the sampler's own log-probs (the weights that sampled
-are the weights we update: on-policy, no stale copy), so no extra forward is spent on it.
+pi_theta_old, exactly: the weights that sampled are the weights we update (no stale copy),
+but the sampler's log-probs come from a different computation (a cached decode step)
+than the trainer's forward; in bf16 the two differ by up to tenths of a nat. So pi_old is
+the trainer's own forward at the sampling weights: with one update per batch (the
+default) it is log pi itself, detached (rho = 1 bit for bit, no extra forward); with
+several it is a no-grad pass before the first step, in the very micro-batches the first
+step will use. The sampler's log-probs stay in TurnRow as a diagnostic (`logprob_gap`).
 """
 
 from dataclasses import dataclass
 
 import torch
 
+import optim
 import speedups
 from agentflow import SamplingParams
 
@@ -44,7 +56,7 @@ class TurnRow:
     """One planner turn as a training row: the state, the action, and its credit."""
     prompt_ids: list[int]  # (q, K, M^t) exactly as sampled
     action_ids: list[int]  # a_i^t
-    old_logprobs: list[float]  # log pi_theta_old(a_ij^t | ...) from the sampler
+    sampler_logprobs: list[float]  # the sampler's log-probs of a_i^t: a diagnostic (logprob_gap), not pi_old
     advantage: float  # A_i^t = A_i, broadcast from the trajectory
     weight: float  # 1 / (N * T_i): the trajectory and turn averages of J
 
@@ -111,32 +123,30 @@ def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
 # ----------------------------------------------------------------------------------------
 # Per-token log-probs of the sampled actions under the current weights
 
+# Action positions per chunk of the fast path's log-probs: the [chunk, V] float32 logits of
+# one chunk are the largest tensor the loss makes (config train.logits_chunk).
+LOGITS_CHUNK = 1024
 
-def action_logits(model, rows: list[TurnRow], pad_id: int, fast: bool = True) -> torch.Tensor:
+
+def action_logits(model, rows: list[TurnRow], pad_id: int) -> torch.Tensor:
     """The logits that predicted each action token: [n, La, V] for n rows and La the
     longest action; row r's action fills the LAST |a_r| columns, like its tokens in the
-    sequence.
+    sequence. (The plain path; token_logprobs' fast path never makes this tensor.)
 
-    Plain (fast=False): every row is prompt + action, the rows left-padded into one
-    batch, one forward; pads are masked out and skipped by the position ids. The logits
-    at position p predict token p+1, so the last La+1 positions cover every action.
-    fast=True runs the same rows through speedups.prefill, which computes text the rows
-    share once (the module's instructions for all rows, the whole prompt for the G
-    actions sampled from it); the logits are the same."""
+    Every row is prompt + action, the rows left-padded into one batch, one forward; pads
+    are masked out and skipped by the position ids. The logits at position p predict
+    token p+1, so the last La+1 positions cover every action."""
     dev = next(model.parameters()).device
     seqs = [r.prompt_ids + r.action_ids for r in rows]
     La = max(len(r.action_ids) for r in rows)
-    if fast:
-        logits, _ = speedups.prefill(model, seqs, pad_id, None, logits_to_keep=La + 1,
-                                     shareable=[len(r.prompt_ids) - 1 for r in rows])
-    else:
-        ids, mask = speedups.left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, S] each token's position in its own sequence
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=La + 1).logits
+    ids, mask = speedups.left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, S] each token's position in its own sequence
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=La + 1).logits
     return logits[:, :-1, :]  # [n, La, V]
 
 
-def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, fast: bool = True):
+def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, fast: bool = True,
+                   chunk: int = LOGITS_CHUNK):
     """log pi(a_ij | prompt, a_i<j) for every action token of every row, under exactly the
     distribution the sampler drew it from (agentflow.LLM.sample with `sampling`):
     softmax(logits / T_j) over the full vocabulary in float32, T_j =
@@ -144,7 +154,14 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     constraint) the softmax over those ids alone.
 
     Returns (logp [n, La], entropy [n, La] of that distribution, no gradient, mask [n, La]:
-    1 on action tokens), laid out as in action_logits."""
+    1 on action tokens), laid out as in action_logits.
+
+    Plain (fast=False): the [n, La, V] logits of action_logits, then log_softmax.
+    fast=True computes the same numbers without ever holding [n, La, V]: the hidden states
+    at action positions come from speedups.prefill (text the rows share runs once: the
+    module's instructions for all rows, the whole prompt for the G actions sampled from
+    it), and speedups.chunked_logprobs runs the output layer over `chunk` positions at a
+    time, recomputing each chunk's logits in the backward pass."""
     dev = next(model.parameters()).device
     n, La = len(rows), max(len(r.action_ids) for r in rows)
     mask = torch.zeros((n, La), dtype=torch.float32, device=dev)  # [n, La]
@@ -153,18 +170,33 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
         mask[i, La - len(r.action_ids):] = 1
         targets[i, La - len(r.action_ids):] = torch.tensor(r.action_ids, device=dev)
     T = sampling.temperature
-    z = action_logits(model, rows, pad_id, fast).float() / T  # [n, La, V] logits / T
-    logp_all = torch.log_softmax(z, dim=-1)  # [n, La, V]
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]  # [n, La]
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, La]
-    if sampling.first_tokens or sampling.first_temperature > 0:
+    first = bool(sampling.first_tokens) or sampling.first_temperature > 0  # token 0 has its own distribution
+    r = torch.arange(n, device=dev)  # [n]
+    c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
+    if fast:
+        seqs = [row.prompt_ids + row.action_ids for row in rows]
+        h, _ = speedups.prefill(model, seqs, pad_id, None, La + 1, [len(row.prompt_ids) - 1 for row in rows],
+                                hidden=True)
+        h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
+        scored = mask.bool()  # [n, La] positions scored at temperature T
+        if first:
+            scored[r, c] = False  # token 0 is scored below, on its own
+        at = scored.nonzero(as_tuple=True)
+        head = model.get_output_embeddings()
+        lp, ent = speedups.chunked_logprobs(h[at], head.weight, head.bias, targets[at], T, chunk)  # [M] each
+        logp = torch.zeros((n, La), device=dev).index_put(at, lp)  # [n, La]
+        entropy = torch.zeros((n, La), device=dev).index_put(at, ent)
+        z0 = head(h[r, c]).float() if first else None  # [n, V] token 0's logits
+    else:
+        logits = action_logits(model, rows, pad_id).float()  # [n, La, V]
+        logp_all = torch.log_softmax(logits / T, dim=-1)  # [n, La, V]
+        logp = logp_all.gather(-1, targets[..., None])[..., 0]  # [n, La]
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, La]
+        z0 = logits[r, c] if first else None  # [n, V]
+    if first:
         # Token 0 of each action: its own temperature and the tool restriction.
-        r = torch.arange(n, device=dev)  # [n]
-        c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
-        z0 = z[r, c]  # [n, V] logits / T
-        if sampling.first_temperature > 0:
-            z0 = z0 * (T / sampling.first_temperature)  # logits / T_first
+        z0 = z0 / sampling.temperature_at(0)  # [n, V] logits / T_0
         if sampling.first_tokens:
             allowed = torch.tensor(sampling.first_tokens, device=dev)
             norm = z0[:, allowed]  # [n, k] the softmax runs over the allowed ids only
@@ -176,11 +208,31 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
         with torch.no_grad():
             p0 = torch.log_softmax(norm, -1)  # [n, k]
             entropy = entropy.index_put((r, c), -(p0.exp() * p0).sum(-1))
-    return logp * mask, entropy * mask, mask
+    return logp * mask, entropy.detach() * mask, mask
 
 
 # ----------------------------------------------------------------------------------------
 # The loss
+
+# verl's clamps of the k3 estimator ("low_var_kl"): see k3_kl.
+KL_LOG_RATIO_MAX = 20.0
+KL_MAX = 10.0
+
+
+def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_theta || pi_ref) per token, the "k3" estimator, clamped.
+
+    With d = log pi_ref - log pi: k3 = e^d - d - 1 >= 0, unbiased for KL when tokens come
+    from pi_theta, and 0 iff the two agree. Its gradient, d k3 / d log pi = 1 - e^d,
+    grows like e^d: a token the policy made far less likely than the reference did
+    (d = 10) would pull with ~2.2e4 and swamp the step. Hence two clamps:
+      * k3 <= KL_MAX = 10: beyond it (d > ~2.61 or d < ~-11) the KL term of that token is
+        the constant 10 and its gradient is exactly 0; inside it |1 - e^d| <= ~12.6, so
+        no token's KL gradient exceeds that (times beta and its token weight);
+      * d in [-20, 20] first: otherwise e^d overflows to inf for d > 88 and the zero
+        gradient of the outer clamp times inf is NaN."""
+    d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)  # zero gradient outside [-20, 20]
+    return (torch.exp(d) - d - 1).clamp(max=KL_MAX)  # zero gradient where k3 > 10
 
 
 def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossConfig):
@@ -188,16 +240,13 @@ def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossCon
 
     Returns (loss, stats) with loss a scalar whose gradient is -dJ/dtheta."""
     A = adv[:, None]  # [n, 1]  A_i^t, the same for every token of the action
-    # rho = pi_theta / pi_theta_old. On the first update of a rollout batch the weights that
-    # sampled are the weights being trained, so rho = 1 (up to float noise) and
+    # rho = pi_theta / pi_theta_old. On the first update of a rollout batch old_logp is this
+    # very forward's log pi, detached (policy_update), so rho = 1 exactly and
     # d rho / d theta = rho * d log pi = d log pi: the surrogate's gradient is REINFORCE's,
     # sum_j A * d log pi(a_j). Clipping only bites from the second mini-batch / epoch on.
     ratio = torch.exp(logp - old_logp)  # [n, La]  rho_ij^t
     surrogate = torch.minimum(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # [n, La]
-    # KL(pi_theta || pi_ref) per token, the "k3" estimator: with d = log pi_ref - log pi,
-    # k3 = e^d - d - 1 >= 0, unbiased for KL when tokens come from pi_theta, and 0 iff equal.
-    d = ref_logp - logp  # [n, La]
-    kl = torch.exp(d) - d - 1  # [n, La]
+    kl = k3_kl(ref_logp, logp)  # [n, La]  clamped k3, see k3_kl
     # Token weight = 1/(N T_i) * 1/|a_i^t|: the three averages of J.
     n_tok = mask.sum(-1).clamp(min=1)  # [n]  |a_i^t|
     w = (row_weight / n_tok)[:, None] * mask  # [n, La]
@@ -205,22 +254,26 @@ def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossCon
     with torch.no_grad():
         clipped = ((ratio < 1 - cfg.eps_low) & (A < 0)) | ((ratio > 1 + cfg.eps_high) & (A > 0))
         stats = {"kl": (w * kl).sum().item(), "clip_frac": (clipped.float() * mask).sum().item(),
-                 "n_tokens": mask.sum().item()}
+                 "kl_clamped": ((kl >= KL_MAX).float() * mask).sum().item(),
+                 "ratio_dev": ((ratio - 1).abs() * mask).max().item(), "n_tokens": mask.sum().item()}
     return -J, stats
 
 
 def reference_objective(model, ref_model, trajectories, advantages: list[float], sampling: SamplingParams,
-                        cfg: LossConfig) -> torch.Tensor:
+                        cfg: LossConfig, old: list[list[float]] | None = None) -> torch.Tensor:
     """J exactly as the paper writes it: one Python loop per average, one forward per turn,
     no batching, no padding, no shared prefix. Slow; it is the yardstick that
-    flow_grpo_loss over build_rows is checked against (tests/test_flow_grpo.py)."""
+    flow_grpo_loss over build_rows is checked against (tests/test_flow_grpo.py).
+
+    pi_old is this forward's own log-prob, detached (the on-policy first update: rho = 1),
+    unless `old` gives it: one list of log-probs per turn, in build_rows' order."""
     N = len(trajectories)  # Q*G: 1/G over each group, averaged over the Q groups
-    J = 0.0
+    J, k = 0.0, 0
     for traj, A_i in zip(trajectories, advantages):
         turns = [t for t in traj.turns if t.action_ids]
         T_i = len(turns)
         for turn in turns:  # 1/T_i sum_t
-            seq = torch.tensor([turn.prompt_ids + turn.action_ids])
+            seq = torch.tensor([turn.prompt_ids + turn.action_ids], device=next(model.parameters()).device)
             logits = model(seq).logits[0].float()  # [S, V]
             with torch.no_grad():
                 ref_logits = ref_model(seq).logits[0].float()
@@ -228,10 +281,12 @@ def reference_objective(model, ref_model, trajectories, advantages: list[float],
             for j, tok in enumerate(turn.action_ids):  # 1/|a| sum_j
                 at = len(turn.prompt_ids) - 1 + j  # the position whose logits predict token j
                 lp, lr = (_logprob(x[at], tok, j, sampling) for x in (logits, ref_logits))
-                rho = torch.exp(lp - turn.logprobs[j])
+                lp_old = lp.detach() if old is None else old[k][j]
+                rho = torch.exp(lp - lp_old)
                 surrogate = torch.minimum(rho * A_i, torch.clamp(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * A_i)
-                kl = torch.exp(lr - lp) - (lr - lp) - 1  # k3
+                kl = k3_kl(lr, lp)  # clamped k3
                 J = J + (surrogate - cfg.beta * kl) / (N * T_i * size)
+            k += 1
     return J
 
 
@@ -244,76 +299,144 @@ def _logprob(logits: torch.Tensor, tok: int, j: int, sampling: SamplingParams) -
     return torch.log_softmax(z, -1)[tok]
 
 
+# ----------------------------------------------------------------------------------------
+# Gradients and the optimizer steps
+
+
+def micro_batches(rows: list[TurnRow], micro_batch: int, max_tokens: int = 0) -> list[list[int]]:
+    """Consecutive runs of row indices that run as one forward: at most `micro_batch` rows
+    and, with max_tokens, at most max_tokens of rows x longest sequence (the memory plan's
+    bound on the update's activations; a row longer than that still runs, alone)."""
+    out, cur, longest = [], [], 0
+    for i, r in enumerate(rows):
+        length = len(r.prompt_ids) + len(r.action_ids)
+        if cur and (len(cur) == micro_batch or (max_tokens and (len(cur) + 1) * max(longest, length) > max_tokens)):
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, length)
+    return out + [cur] if cur else out
+
+
 def accumulate_gradients(model, ref_model, rows: list[TurnRow], sampling: SamplingParams, loss_cfg: LossConfig,
-                         pad_id: int, *, micro_batch: int = 16, scale: float = 1.0, autocast_dtype=None,
-                         fast: bool = True) -> dict:
-    """Backward of `scale` * (-J) over `rows`, in micro-batches of `micro_batch` rows.
+                         pad_id: int, *, micro_batch: int = 16, max_tokens: int = 0, scale: float = 1.0,
+                         old: list[torch.Tensor] | None = None, fast: bool = True, chunk: int = LOGITS_CHUNK) -> dict:
+    """Backward of `scale` * (-J) over `rows`, in micro_batches(rows, micro_batch, max_tokens).
+
+    old: log pi_old per row (its action's log-probs), or None: pi_old is this forward at
+    these weights, i.e. the on-policy first update, rho = 1 exactly.
 
     Gradients add up in .grad. Since every token weight was fixed over the whole batch
     (build_rows), the sum over micro-batches is the same loss whatever the split: the
     micro-batch size trades memory for speed and changes nothing else."""
     dev = next(model.parameters()).device
-    st = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "n_tokens": 0.0, "entropy": 0.0, "logprob_gap": 0.0}
-    for k in range(0, len(rows), micro_batch):
-        chunk = rows[k:k + micro_batch]
-        with torch.autocast(dev.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            logp, entropy, mask = token_logprobs(model, chunk, sampling, pad_id, fast)  # [n, La]
-            with torch.no_grad():
-                ref_logp = (token_logprobs(ref_model, chunk, sampling, pad_id, fast)[0]
-                            if loss_cfg.beta else logp.detach())  # [n, La]
-        old = _pad_left([r.old_logprobs for r in chunk], mask.shape[1], dev)  # [n, La]
-        adv = torch.tensor([r.advantage for r in chunk], device=dev)  # [n]
-        wt = torch.tensor([r.weight for r in chunk], device=dev)  # [n]
-        loss, s = flow_grpo_loss(logp, old, ref_logp, adv, wt, mask, loss_cfg)
+    st = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "ratio_dev": 0.0, "n_tokens": 0.0,
+          "entropy": 0.0, "gap_max": 0.0, "gap_sum": 0.0}
+    for idx in micro_batches(rows, micro_batch, max_tokens):
+        part = [rows[i] for i in idx]
+        logp, entropy, mask = token_logprobs(model, part, sampling, pad_id, fast, chunk)  # [n, La]
+        with torch.no_grad():
+            ref_logp = (token_logprobs(ref_model, part, sampling, pad_id, fast, chunk)[0]
+                        if loss_cfg.beta else logp.detach())  # [n, La]
+        old_logp = logp.detach() if old is None else _pad_left([old[i] for i in idx], mask.shape[1], dev)  # [n, La]
+        adv = torch.tensor([r.advantage for r in part], device=dev)  # [n]
+        wt = torch.tensor([r.weight for r in part], device=dev)  # [n]
+        loss, s = flow_grpo_loss(logp, old_logp, ref_logp, adv, wt, mask, loss_cfg)
         (loss * scale).backward()
         with torch.no_grad():
-            # Before any update the sampler and this forward must agree on the log-probs
-            # (only float noise apart); a large gap means the loss is not on-policy.
-            st["logprob_gap"] = max(st["logprob_gap"], ((logp - old).abs() * mask).max().item())
+            gap = sampler_gap(logp, mask, part)
+            st["gap_max"], st["gap_sum"] = max(st["gap_max"], gap[0]), st["gap_sum"] + gap[1]
             st["entropy"] += entropy.sum().item()
         st["loss"] += loss.item() * scale
-        for key in ("kl", "clip_frac", "n_tokens"):
+        st["ratio_dev"] = max(st["ratio_dev"], s["ratio_dev"])
+        for key in ("kl", "clip_frac", "kl_clamped", "n_tokens"):
             st[key] += s[key] * (scale if key == "kl" else 1)
     return st
 
 
+def sampler_gap(logp: torch.Tensor, mask: torch.Tensor, rows: list[TurnRow]) -> tuple[float, float]:
+    """(max, sum) over action tokens of |trainer log-prob - sampler log-prob|: how far the
+    sampler's arithmetic (cached decode, another summation order) is from the trainer's.
+    Not used by the loss; in fp32 it is float noise, in bf16 rounding noise."""
+    sampled = _pad_left([r.sampler_logprobs for r in rows], mask.shape[1], logp.device)  # [n, La]
+    diff = (logp.detach() - sampled).abs() * mask  # [n, La]
+    return diff.max().item(), diff.sum().item()
+
+
+@torch.no_grad()
+def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, *, micro_batch: int = 16,
+                 max_tokens: int = 0, fast: bool = True, chunk: int = LOGITS_CHUNK) -> tuple[list[torch.Tensor], dict]:
+    """log pi_old of every row's action, from the trainer's forward without gradient, in
+    micro_batches(rows, ...): the caller passes the rows in the order and grouping its
+    first gradient pass will use, so that pass computes these very numbers again and its
+    rho is exactly 1. Also the sampler gap (max, sum) of these rows."""
+    dev = next(model.parameters()).device
+    old, gap = [None] * len(rows), [0.0, 0.0]
+    for idx in micro_batches(rows, micro_batch, max_tokens):
+        part = [rows[i] for i in idx]
+        logp, _, mask = token_logprobs(model, part, sampling, pad_id, fast, chunk)  # [n, La]
+        for j, i in enumerate(idx):
+            old[i] = logp[j, mask.shape[1] - len(rows[i].action_ids):].clone()  # [|a_i|]
+        g = sampler_gap(logp, mask, part)
+        gap = [max(gap[0], g[0]), gap[1] + g[1]]
+    return old, {"gap_max": gap[0], "gap_sum": gap[1]}
+
+
 def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams,
                   loss_cfg: LossConfig, pad_id: int, *, epochs: int = 1, minibatches: int = 1,
-                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, **kw) -> dict:
+                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, masters=None, **kw) -> dict:
     """`epochs` passes over one rollout batch, each split into `minibatches` optimizer
     steps (PPO style). With epochs = minibatches = 1 this is a single REINFORCE-like step
     (rho = 1, see flow_grpo_loss). A mini-batch's loss is scaled by `minibatches` so that
     every mini-batch estimates the same J as the whole batch (weights are batch-global).
     `sampling` is the planner's SamplingParams, the very object the sampler drew with.
-    kw: micro_batch, autocast_dtype, fast (accumulate_gradients)."""
+    masters: optim.MasterWeights when the weights are bf16 (the optimizer steps fp32
+    copies, which are then rounded into the weights). kw: micro_batch, max_tokens, fast,
+    chunk (accumulate_gradients)."""
     gen = torch.Generator().manual_seed(seed)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "n_tokens": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    gap = 0.0
-    for epoch in range(epochs):
-        order = torch.randperm(len(rows), generator=gen).tolist() if minibatches > 1 else list(range(len(rows)))
+    draw_order = lambda: torch.randperm(len(rows), generator=gen).tolist() if minibatches > 1 else list(range(len(rows)))
+    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "n_tokens": 0.0, "entropy": 0.0,
+              "grad_norm": 0.0}
+    order = draw_order()
+    old, gap = None, None
+    if epochs * minibatches > 1:
+        # pi_old of every row before any step, in the micro-batches of the first epoch.
+        old = [None] * len(rows)
+        gap = {"gap_max": 0.0, "gap_sum": 0.0}
         for mb in range(minibatches):
-            optimizer.zero_grad(set_to_none=True)
-            st = accumulate_gradients(model, ref_model, [rows[i] for i in order[mb::minibatches]], sampling,
-                                      loss_cfg, pad_id, scale=minibatches, **kw)
+            idx = order[mb::minibatches]
+            lps, g = old_logprobs(model, [rows[i] for i in idx], sampling, pad_id,
+                                  **{k: v for k, v in kw.items() if k in ("micro_batch", "max_tokens", "fast", "chunk")})
+            for i, lp in zip(idx, lps):
+                old[i] = lp
+            gap = {"gap_max": max(gap["gap_max"], g["gap_max"]), "gap_sum": gap["gap_sum"] + g["gap_sum"]}
+    ratio_dev_first = 0.0
+    for epoch in range(epochs):
+        if epoch:
+            order = draw_order()
+        for mb in range(minibatches):
+            idx = order[mb::minibatches]
+            st = accumulate_gradients(model, ref_model, [rows[i] for i in idx], sampling, loss_cfg, pad_id,
+                                      scale=minibatches, old=None if old is None else [old[i] for i in idx], **kw)
             if epoch == 0 and mb == 0:
-                gap = st["logprob_gap"]  # measured before the first optimizer step
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            for key in ("loss", "kl", "clip_frac", "n_tokens", "entropy"):
+                ratio_dev_first = st["ratio_dev"]  # 0: the first step is exactly on-policy
+                gap = gap or {k: st[k] for k in ("gap_max", "gap_sum")}  # one update: measured in this pass
+            totals["grad_norm"] += optim.step(optimizer, masters, scheduler, max_grad_norm)
+            for key in ("loss", "kl", "clip_frac", "kl_clamped", "n_tokens", "entropy"):
                 totals[key] += st[key]
     n_steps, n_tok = epochs * minibatches, max(totals["n_tokens"], 1.0)
     return {"loss": totals["loss"] / n_steps, "kl": totals["kl"] / n_steps,
-            "clip_frac": totals["clip_frac"] / n_tok, "entropy": totals["entropy"] / n_tok,
-            "grad_norm": totals["grad_norm"] / n_steps, "logprob_gap": gap,
+            "clip_frac": totals["clip_frac"] / n_tok, "kl_clamped": totals["kl_clamped"] / n_tok,
+            "entropy": totals["entropy"] / n_tok, "grad_norm": totals["grad_norm"] / n_steps,
+            "logprob_gap": gap["gap_max"], "logprob_gap_mean": gap["gap_sum"] / max(n_tok / epochs, 1.0),
+            "ratio_dev_first_step": ratio_dev_first,
             "planner_tokens": int(n_tok / epochs), "optimizer_steps": n_steps}
 
 
-def _pad_left(values: list[list[float]], width: int, dev) -> torch.Tensor:
+def _pad_left(values: list, width: int, dev) -> torch.Tensor:
+    """Per-row values (lists or 1-D tensors) right-aligned in a [n, width] float32 tensor of zeros."""
     out = torch.zeros((len(values), width), device=dev)  # [n, La]
     for i, v in enumerate(values):
-        if v:
-            out[i, width - len(v):] = torch.tensor(v, device=dev)
+        if len(v):
+            out[i, width - len(v):] = torch.as_tensor(v, dtype=torch.float32, device=dev)
     return out

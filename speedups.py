@@ -19,10 +19,12 @@ Nothing here changes WHAT is computed; each part changes how much work it takes:
 Measured effects, machine by machine, are in bench.py's output and docs/LOG.md.
 """
 
+import functools
 import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,33 +41,63 @@ class RoomyLayer(DynamicLayer):
 
     Hugging Face's DynamicLayer appends each new token with torch.cat, which copies the
     WHOLE cache of every layer at every decode step: for a small model at a large batch
-    that is as much memory traffic as reading the weights. Here the buffer [b, H, capacity, D] is written in place and attention
-    reads a view of its first `length` positions; the capacity doubles when full, so
-    growing costs O(1) per token amortised. Dropping finished rows (batch_select_indices)
-    moves the rows behind them down inside the same buffer. Masks and positions are
-    untouched: to the model this is a DynamicLayer whose tensors happen to live inside a
-    bigger buffer.
+    that is as much memory traffic as reading the weights. Here the buffer [rows, H,
+    capacity, D] is written in place and attention reads a view of its first `length`
+    positions and live rows. The sampler knows the final size up front (its longest laid
+    out prompt + max_new_tokens, for every row of the call) and passes it as
+    `capacity` and `rows`: the buffer is then allocated once, at that size, and never
+    copied (without a capacity it starts at twice the first update and doubles when
+    full, O(1) per token amortised). The prefix run once is repeated to every row,
+    identical prompts are spread to their copies, and finished rows are dropped, all by
+    moving rows inside the same buffer. Masks and positions are untouched: to the model
+    this is a DynamicLayer whose tensors happen to live inside a bigger buffer.
     """
+
+    def __init__(self, capacity: int = 0, rows: int = 0):
+        super().__init__()
+        self.capacity, self.rows = capacity, rows  # planned positions and rows; 0 = grow as needed
+        self.length, self.k_buf, self.v_buf = 0, None, None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length, self.k_buf, self.v_buf = 0, None, None
 
+    def _allocate(self, b: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
+        """Buffers for max(rows, b) rows and the planned capacity (or twice `need`), of which b rows are live."""
+        H, D, Dv = like_k.shape[1], like_k.shape[3], like_v.shape[3]
+        cap = max(self.capacity, need) if self.capacity else 2 * need
+        rows = max(self.rows, b)
+        self.k_store = like_k.new_empty((rows, H, cap, D))
+        self.v_store = like_v.new_empty((rows, H, cap, Dv))
+        self.k_buf, self.v_buf = self.k_store[:b], self.v_store[:b]
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, s = self.length, key_states.shape[-2]
-        if self.k_buf is None:  # first call (the prefill): room for as many new positions again
-            b, H, _, D = key_states.shape
-            self.k_buf = key_states.new_empty((b, H, 2 * s, D))
-            self.v_buf = value_states.new_empty((b, H, 2 * s, value_states.shape[-1]))
-        elif n + s > self.k_buf.shape[-2]:
+        if self.k_buf is None:  # first call (the prefill)
+            self._allocate(key_states.shape[0], key_states, value_states, s)
+        elif n + s > self.k_buf.shape[-2]:  # more than planned: grow
             self._move(2 * (n + s))
         self.k_buf[:, :, n:n + s] = key_states  # [b, H, s, D] into the free slots
         self.v_buf[:, :, n:n + s] = value_states
         self.length = n + s
         self._views()
         return self.keys, self.values  # [b, H, n+s, D] views, no copy
+
+    def put(self, rows: torch.Tensor | slice, start: int, keys: torch.Tensor, values: torch.Tensor,
+            n_rows: int, length: int) -> None:
+        """Write keys, values [c, H, s, D] of `rows` at positions start..start+s of a cache
+        of n_rows rows and `length` positions (allocated on first use): how the prefill
+        lays out rows that ran in separate forwards, straight into the final buffer."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        if self.k_buf is None:
+            self._allocate(n_rows, keys, values, length)
+        self.k_buf[rows, :, start:start + keys.shape[2]] = keys
+        self.v_buf[rows, :, start:start + values.shape[2]] = values
+        self.length = length
+        self._views()
 
     def _views(self) -> None:
         self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
@@ -75,8 +107,8 @@ class RoomyLayer(DynamicLayer):
         k, v = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
         if rows is not None:
             k, v = k[rows], v[rows]
-        self.k_buf = k.new_empty((k.shape[0], k.shape[1], capacity, k.shape[3]))
-        self.v_buf = v.new_empty((v.shape[0], v.shape[1], capacity, v.shape[3]))
+        self.k_store = self.k_buf = k.new_empty((k.shape[0], k.shape[1], capacity, k.shape[3]))
+        self.v_store = self.v_buf = v.new_empty((v.shape[0], v.shape[1], capacity, v.shape[3]))
         self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length] = k, v
         self._views()
 
@@ -84,9 +116,33 @@ class RoomyLayer(DynamicLayer):
         return self.length if self.is_initialized else 0
 
     def batch_repeat_interleave(self, repeats: int) -> None:  # the shared prefix -> every row
-        if self.get_seq_length() > 0:
-            rows = torch.arange(self.k_buf.shape[0], device=self.k_buf.device).repeat_interleave(repeats)
-            self._move(self.k_buf.shape[-2], rows)
+        if self.get_seq_length() == 0:
+            return
+        b, n = self.k_buf.shape[0], self.length
+        if b == 1 and self.k_store.shape[0] >= repeats:  # in place: row 0 copied into the rows planned
+            self.k_buf, self.v_buf = self.k_store[:repeats], self.v_store[:repeats]
+            self.k_buf[1:, :, :n], self.v_buf[1:, :, :n] = self.k_buf[:1, :, :n], self.v_buf[:1, :, :n]
+            self._views()
+            return
+        rows = torch.arange(b, device=self.k_buf.device).repeat_interleave(repeats)
+        self._move(self.k_buf.shape[-2], rows)
+
+    def spread(self, src: list[int]) -> None:
+        """Row j becomes a copy of row src[j], for src[j] <= j (the unique prompts of a
+        call, in order of first appearance, spread to all their copies), in place when
+        the buffer has room for len(src) rows: from the last row down, so that every row
+        is read before it is overwritten."""
+        if self.get_seq_length() == 0:
+            return
+        if self.k_store.shape[0] < len(src) or any(r > j for j, r in enumerate(src)):
+            self._move(self.k_buf.shape[-2], torch.tensor(src, device=self.k_buf.device))
+            return
+        n = self.length
+        self.k_buf, self.v_buf = self.k_store[:len(src)], self.v_store[:len(src)]
+        for j in range(len(src) - 1, -1, -1):
+            if src[j] != j:
+                self.k_buf[j, :, :n], self.v_buf[j, :, :n] = self.k_buf[src[j], :, :n], self.v_buf[src[j], :, :n]
+        self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:  # drop finished rows, copy duplicates
         if self.get_seq_length() == 0:
@@ -109,9 +165,34 @@ class RoomyLayer(DynamicLayer):
         self._views()
 
 
-def roomy_cache() -> Cache:
-    """A cache for the sampler whose layers grow in place (RoomyLayer)."""
-    return Cache(layer_class_to_replicate=RoomyLayer)
+def roomy_cache(capacity: int = 0, rows: int = 0) -> Cache:
+    """A cache for the sampler whose layers live in buffers of `capacity` positions and
+    `rows` rows (0: grow in place as needed), see RoomyLayer."""
+    return Cache(layer_class_to_replicate=functools.partial(RoomyLayer, capacity, rows))
+
+
+def _layer(cache: Cache, i: int) -> RoomyLayer:
+    while len(cache.layers) <= i:  # what Cache.update does for a new layer index
+        cache.layers.append(cache.layer_class_to_replicate())
+    return cache.layers[i]
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a decoder config, whatever the family calls them."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """Bytes of the keys and values of one token in every layer: 2 x layers x kv heads x head dim x itemsize."""
+    layers, kv, D = kv_shape(config)
+    return 2 * layers * kv * D * itemsize
+
+
+# Bytes per vocabulary entry and row of one decode step: the logits in the model's dtype
+# and in float32, the log-softmax and its exp, the float64 running sum of the draw.
+DECODE_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8
 
 
 # ----------------------------------------------------------------------------------------
@@ -140,27 +221,71 @@ def common_prefix_len(prompts: list[list[int]]) -> int:
     return n
 
 
-def prefill_prompts(model, prompts: list[list[int]], pad_id: int):
-    """The sampler's prefill: (logits [n, V] of each prompt's last token, mask [n, S], the
-    cache). Identical prompts (the G rollouts of a query at turn one) run once; their
-    rows are copied afterwards and then draw their own tokens."""
-    dev = next(model.parameters()).device
-    cache = roomy_cache()
+def unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """(the distinct prompts in order of first appearance, each row's index among them)."""
     first_of: dict[tuple[int, ...], int] = {}
     src = [first_of.setdefault(tuple(p), len(first_of)) for p in prompts]  # row -> its unique prompt
-    unique = [list(p) for p in first_of]
-    logits, mask = prefill(model, unique, pad_id, cache, logits_to_keep=1, shareable=[len(p) - 1 for p in unique])
+    return [list(p) for p in first_of], src
+
+
+def prefill_prompts(model, prompts: list[list[int]], pad_id: int, extra: int = 0, max_tokens: int | None = None):
+    """The sampler's prefill: (logits [n, V] of each prompt's last token, mask [n, S], the
+    cache, allocated once with room for `extra` more positions per row). Identical
+    prompts (the G rollouts of a query at turn one) run once; their rows are copied
+    afterwards and then draw their own tokens. max_tokens caps what one forward holds
+    (prefill)."""
+    dev = next(model.parameters()).device
+    unique, src = unique_prompts(prompts)
+    shareable = [len(p) - 1 for p in unique]
+    cache = roomy_cache(layout(unique, shareable).width + extra, len(prompts))
+    logits, mask = prefill(model, unique, pad_id, cache, logits_to_keep=1, shareable=shareable,
+                           max_tokens=max_tokens)
     logits = logits[:, -1, :]  # [u, V]
     if len(unique) < len(prompts):
+        for layer in cache.layers:
+            layer.spread(src)  # [u, H, S, D] -> [n, H, S, D] in every layer
         rows = torch.tensor(src, device=dev)  # [n]
-        cache.batch_select_indices(rows)  # [u, H, S, D] -> [n, H, S, D] in every layer
         logits, mask = logits[rows], mask[rows]  # [n, V], [n, S]
     return logits, mask, cache
 
 
+@dataclass
+class Layout:
+    """How prefill lays out its rows (see there): P prefix tokens every row shares, the
+    families (rows, q) that share q more, each row's family (len(families) = none) and
+    own rest, Lq the longest family part; a row holds width = P + Lq + longest rest
+    positions."""
+    P: int
+    families: list[tuple[list[int], int]]
+    parts: list[list[int]]
+    fam_of: list[int]
+    rest: list[list[int]]
+    Lq: int
+
+    @property
+    def width(self) -> int:
+        return self.P + self.Lq + max(len(r) for r in self.rest)
+
+
+def layout(seqs: list[list[int]], shareable: list[int]) -> Layout:
+    n = len(seqs)
+    P = min(common_prefix_len(seqs), min(shareable)) if n > 1 else 0
+    if P < MIN_SHARED:  # too short to be worth a separate forward
+        P = 0
+    families = shared_families(seqs, shareable, P)  # [(rows, q)]: rows share seqs[rows[0]][P:P+q]
+    parts = [seqs[rows[0]][P:P + q] for rows, q in families]  # each family's shared part
+    fam_of, rest = [len(families)] * n, [s[P:] for s in seqs]  # no family: the last "family", empty
+    for f, (rows, q) in enumerate(families):
+        for r in rows:
+            fam_of[r], rest[r] = f, seqs[r][P + q:]
+    return Layout(P, families, parts, fam_of, rest, max(map(len, parts), default=0))
+
+
 def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int,
-            shareable: list[int]):
+            shareable: list[int], hidden: bool = False, max_tokens: int | None = None):
     """Run token sequences as one batch; return (logits [n, logits_to_keep, V], mask [n, S]).
+    hidden=True returns the last hidden states [n, logits_to_keep, d] instead (what the
+    output layer would turn into those logits: chunked_logprobs does it piece by piece).
 
     Rows share text, and shared text is computed once (keys and values of a token depend
     only on the tokens before it). `shareable[r]` is how many leading tokens of row r may
@@ -184,82 +309,159 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
     beside a full one), the rows are split into groups of similar length
     (`length_groups`) and each group runs as its own left-padded batch; the groups' keys
     and values are then laid out as if they had run together. `cache` (empty on entry;
-    None if only the logits are wanted) ends up holding every row's keys and values.
+    None if only the logits are wanted, as in the trainer) ends up holding every row's
+    keys and values; the sampler's cache is a roomy_cache, into which each group's keys
+    and values are written as soon as it has run.
+
+    max_tokens (the sampler under a memory plan) caps one forward: rows x (cached + new
+    positions) <= max_tokens, by splitting groups and family batches into fewer rows and
+    running a single row's long text in pieces. It changes which forwards run, not what
+    each row computes.
     """
     n, dev = len(seqs), next(model.parameters()).device
-    P = min(common_prefix_len(seqs), min(shareable)) if n > 1 else 0
-    if P < MIN_SHARED:  # too short to be worth a separate forward
-        P = 0
-    families = shared_families(seqs, shareable, P)  # [(rows, q)]: rows share seqs[rows[0]][P:P+q]
-    parts = [seqs[rows[0]][P:P + q] for rows, q in families]  # each family's shared part
-    fam_of, rest = [len(families)] * n, [s[P:] for s in seqs]  # no family: the last "family", empty
-    for f, (rows, q) in enumerate(families):
-        for r in rows:
-            fam_of[r], rest[r] = f, seqs[r][P + q:]
-    Lq = max(map(len, parts), default=0)
+    lay = layout(seqs, shareable)
+    P, families, parts, fam_of, rest, Lq = lay.P, lay.families, lay.parts, lay.fam_of, lay.rest, lay.Lq
     # Each row's mask over the positions it finds cached: [prefix | its family part].
     pre_mask = torch.ones((n, P + Lq), dtype=torch.long, device=dev)  # [n, P+Lq], 1 = real token
     fam_masks = left_padded(parts + [[]], Lq, pad_id, dev)[1]  # [F+1, Lq]; the last: no family, all pads
     pre_mask[:, P:] = fam_masks[fam_of]  # [n, Lq] each row's family
     groups = length_groups([len(s) for s in rest])
+    if max_tokens:
+        groups = [g for rows in groups for g in _capped(rows, P + Lq + max(len(rest[r]) for r in rows), max_tokens)]
 
-    work = cache if len(groups) == 1 and not families and cache is not None else DynamicCache()
+    one_batch = len(groups) == 1 and not families
+    work = cache if one_batch and cache is not None else DynamicCache()
     if P:
-        prefix = torch.tensor([seqs[0][:P]], device=dev)  # [1, P]
-        model(input_ids=prefix, cache=work, use_cache=True, logits_to_keep=1)  # work: [1, H, P, D] a layer
-    if len(groups) == 1 and not families:  # one batch: run it in the caller's cache
+        if max_tokens and P > max_tokens:
+            _run_rest(model, [seqs[0][:P]], pre_mask.new_ones(1, 0), pad_id, work, 1, max_tokens=max_tokens)
+        else:
+            prefix = torch.tensor([seqs[0][:P]], device=dev)  # [1, P]
+            model(input_ids=prefix, cache=work, use_cache=True, logits_to_keep=1)  # work: [1, H, P, D] a layer
+    if one_batch:  # one batch: run it in the caller's cache
         if P:
             work.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
-        logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep)
+        logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep, hidden, max_tokens)
         return logits, torch.cat([pre_mask, suffix_mask], dim=-1)
-    # Keys and values each row finds before its rest: one entry per family, and a last one
-    # (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D], same);
-    # without families that is the prefix alone, [1, H, P, D], and every row's entry is 0.
+    if cache is not None:
+        return _prefill_into(model, lay, pre_mask, groups, work, cache, pad_id, logits_to_keep, hidden, max_tokens)
+    # The trainer: keys and values each row finds before its rest: one entry per family, and
+    # a last one (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D],
+    # same); without families that is the prefix alone, [1, H, P, D], and every row's entry is 0.
     pre_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
     if families:
         fam = DynamicCache()
         for i, (k, v) in enumerate(pre_kv):  # the prefix, copied to every family
             fam.update(k.expand(len(parts), -1, -1, -1), v.expand(len(parts), -1, -1, -1), i)
-        _run_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, fam, 1)  # [F, H, P+Lq, D] a layer
+        _run_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, fam, 1, hidden)  # [F, H, P+Lq, D] a layer
         none = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, Lq))  # [1, H, P+Lq, D]: the prefix, then zeros
         pre_kv = [(torch.cat([l.keys, none(l.keys)]), torch.cat([l.values, none(l.values)])) for l in fam.layers]
-    L = max(len(s) for s in rest)
-    logits, kvs, masks = [], [], []
+    logits = []
     for rows in groups:
         idx = torch.tensor([fam_of[r] for r in rows], device=dev)  # [c] each row's entry in pre_kv
         sub = DynamicCache()
         for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached: [c, H, P+Lq, D]
             sub.update(k[idx], v[idx], i)
-        part, m = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
-                            logits_to_keep)  # [c, k<=keep, V], [c, L_c]
+        part, _ = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
+                            logits_to_keep, hidden)  # [c, k<=keep, V]
         logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
-        masks.append(F.pad(m, (L - m.shape[1], 0)))  # [c, L]
-        kvs.append(sub)
     back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
-    mask = torch.cat([pre_mask, torch.cat(masks)[back]], dim=-1)  # [n, P+Lq+L]
-    if cache is not None:
-        K, S = P + Lq, mask.shape[1]
-
-        def widen(t):  # [c, H, K+L_c, D] -> [c, H, S, D]: [cached | zeros as extra pads | group's pads, rest]
-            return torch.cat([t[:, :, :K], t.new_zeros(t.shape[0], t.shape[1], S - t.shape[2], t.shape[3]),
-                              t[:, :, K:]], dim=2)
-        for i in range(len(kvs[0].layers)):  # one cache layer per decoder layer
-            keys = torch.cat([widen(sub.layers[i].keys) for sub in kvs])[back]  # [n, H, S, D]
-            values = torch.cat([widen(sub.layers[i].values) for sub in kvs])[back]
-            cache.update(keys, values, i)
-    return torch.cat(logits)[back], mask
+    L = max(len(s) for s in rest)
+    suffix_mask = left_padded(rest, L, pad_id, dev)[1]  # [n, L] each row's rest, right-aligned
+    return torch.cat(logits)[back], torch.cat([pre_mask, suffix_mask], dim=-1)
 
 
-def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int, cache, logits_to_keep: int):
+def _capped(rows: list[int], width: int, max_tokens: int) -> list[list[int]]:
+    """`rows` in runs of at most max_tokens // width rows (at least one)."""
+    k = max(1, max_tokens // max(width, 1))
+    return [rows[i:i + k] for i in range(0, len(rows), k)]
+
+
+@torch.no_grad()
+def _prefill_into(model, lay: Layout, pre_mask, groups, work, cache, pad_id: int, logits_to_keep: int,
+                  hidden: bool, max_tokens: int | None):
+    """prefill's layout written straight into the sampler's cache, allocated once at its
+    final size: first every row's [prefix | family part], then each group's rest right
+    after the group has run, so that besides the final cache only one family batch or
+    one group's keys and values exist at a time."""
+    n, dev = len(lay.rest), pre_mask.device
+    P, Lq, K = lay.P, lay.Lq, lay.P + lay.Lq
+    L = max(len(s) for s in lay.rest)
+    S = K + L
+    if P:  # every row: the prefix, then zeros where a family part would go (masked pads)
+        for i, l in enumerate(work.layers):
+            k, v = l.keys[:1, :, :P], l.values[:1, :, :P]  # [1, H, P, D]
+            layer = _layer(cache, i)
+            layer.put(slice(None), 0, k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), n, S)
+            if Lq:
+                layer.put(slice(None), P, k.new_zeros(n, k.shape[1], Lq, k.shape[3]),
+                          v.new_zeros(n, v.shape[1], Lq, v.shape[3]), n, S)
+    if lay.families:
+        everyone = list(range(len(lay.families)))
+        for chunk in (_capped(everyone, K, max_tokens) if max_tokens else [everyone]):
+            fam = DynamicCache()
+            for i, l in enumerate(work.layers):  # the prefix, copied to every family of the chunk
+                fam.update(l.keys[:1, :, :P].expand(len(chunk), -1, -1, -1),
+                           l.values[:1, :, :P].expand(len(chunk), -1, -1, -1), i)
+            _run_rest(model, [lay.parts[f] for f in chunk], pre_mask.new_ones(len(chunk), P), pad_id, fam, 1,
+                      hidden, max_tokens)  # [c, H, P+Lq_c, D] a layer
+            for i, l in enumerate(fam.layers):
+                layer = _layer(cache, i)
+                k, v = l.keys[:, :, P:], l.values[:, :, P:]  # [c, H, Lq_c, D] the family parts
+                if layer.k_buf is None:  # no prefix: zeros first, as masked pads before short parts
+                    layer.put(slice(None), 0, k.new_zeros(n, k.shape[1], Lq, k.shape[3]),
+                              v.new_zeros(n, v.shape[1], Lq, v.shape[3]), n, S)
+                at = P + Lq - k.shape[2]  # right-aligned in [P, P+Lq), like one batch padded to Lq
+                for j, f in enumerate(chunk):
+                    rows = torch.tensor(lay.families[f][0], device=dev)
+                    layer.put(rows, at, k[j:j + 1].expand(len(rows), -1, -1, -1),
+                              v[j:j + 1].expand(len(rows), -1, -1, -1), n, S)
+            del fam
+    logits = []
+    for rows in groups:
+        idx = torch.tensor(rows, device=dev)  # [c]
+        sub = DynamicCache()
+        for i, layer in enumerate(cache.layers if K else []):  # what the group's rows find cached: [c, H, K, D]
+            sub.update(layer.k_buf[idx, :, :K], layer.v_buf[idx, :, :K], i)
+        part, m = _run_rest(model, [lay.rest[r] for r in rows], pre_mask[rows], pad_id, sub,
+                            logits_to_keep, hidden, max_tokens)  # [c, k<=keep, V], [c, L_c]
+        logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
+        Lc = m.shape[1]
+        for i, l in enumerate(sub.layers):  # [cached | zeros as extra pads | group's pads, rest]
+            layer = _layer(cache, i)
+            k, v = l.keys[:, :, K:], l.values[:, :, K:]  # [c, H, L_c, D]
+            if Lc < L:
+                layer.put(idx, K, k.new_zeros(len(rows), k.shape[1], L - Lc, k.shape[3]),
+                          v.new_zeros(len(rows), v.shape[1], L - Lc, v.shape[3]), n, S)
+            layer.put(idx, S - Lc, k, v, n, S)
+        del sub
+    back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
+    suffix_mask = left_padded(lay.rest, L, pad_id, dev)[1]  # [n, L]
+    return torch.cat(logits)[back], torch.cat([pre_mask, suffix_mask], dim=-1)
+
+
+def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int, cache, logits_to_keep: int,
+              hidden: bool = False, max_tokens: int | None = None):
     """Left-padded forward of `rest` behind the K positions already in `cache` (pre_mask
-    [c, K]: which of them are real tokens): logits [c, min(logits_to_keep, L), V] and the
-    mask [c, L] of the rest, for L the longest."""
+    [c, K]: which of them are real tokens): logits [c, min(logits_to_keep, L), V] (hidden:
+    the last hidden states [c, min(logits_to_keep, L), d]) and the mask [c, L] of the rest,
+    for L the longest. With max_tokens, columns run in pieces of at most max_tokens // c
+    tokens a row (each piece attends to the cache and the pieces before it)."""
     ids, mask = left_padded(rest, max(len(s) for s in rest), pad_id, next(model.parameters()).device)  # [c, L] each
+    K, L = pre_mask.shape[1], ids.shape[1]
     full = torch.cat([pre_mask, mask], dim=-1)  # [c, K+L]
-    pos = (full.cumsum(-1) - 1).clamp(min=0)[:, pre_mask.shape[1]:]  # [c, L] each token's position in its sequence
-    out = model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True,
-                logits_to_keep=min(logits_to_keep, ids.shape[1]))
-    return out.logits, mask
+    pos = (full.cumsum(-1) - 1).clamp(min=0)[:, K:]  # [c, L] each token's position in its sequence
+    width = max(1, max_tokens // len(rest)) if max_tokens else L
+    for a in range(0, L, width):
+        b = min(L, a + width)
+        keep = min(logits_to_keep, b - a)
+        if hidden:  # the decoder without its output layer (Llama, Qwen2, GPT-2 all expose it as base_model)
+            out = model.base_model(input_ids=ids[:, a:b], attention_mask=full[:, :K + b], position_ids=pos[:, a:b],
+                                   cache=cache, use_cache=True)
+            last = out.last_hidden_state[:, -keep:]
+        else:
+            last = model(input_ids=ids[:, a:b], attention_mask=full[:, :K + b], position_ids=pos[:, a:b], cache=cache,
+                         use_cache=True, logits_to_keep=keep).logits
+    return last, mask
 
 
 # Shared text shorter than this runs with each row: a separate forward costs more.
@@ -478,10 +680,11 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     return mm(dec.norm(x), model.lm_head)  # [b, V]
 
 
-# Output rows of W per product in _linear_wx. A vocabulary projection in one product writes
-# a [V, b] result far bigger than the CPU's cache before transposing it; in blocks, each
-# block's [1024, b] output stays in cache while it is transposed into place. The same
-# numbers bit for bit: a block is the same dot products.
+# Output rows of W per product in _linear_wx on a CPU. A vocabulary projection in one
+# product writes a [V, b] result far bigger than the CPU's cache before transposing it;
+# in blocks, each block's [1024, b] output stays in cache while it is transposed into
+# place. The same numbers bit for bit: a block is the same dot products. A GPU gains
+# nothing from it (and would pay ~150 small launches a step): one product there.
 ROW_BLOCK = 1024
 
 
@@ -494,7 +697,7 @@ def _linear_wx(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
     """lin(x) for x [b, in] -> [b, out], computed as (W [out, in] @ x^T [in, b])^T,
     by blocks of ROW_BLOCK output features when there are many (the lm_head)."""
     W = lin.weight  # [out, in]
-    if W.shape[0] <= 4 * ROW_BLOCK:
+    if W.shape[0] <= 4 * ROW_BLOCK or W.device.type != "cpu":
         y = torch.mm(W, x.t()).t()  # [b, out], a transposed view
         return (y + lin.bias if lin.bias is not None else y).contiguous()
     y = x.new_empty(x.shape[0], W.shape[0])  # [b, out]
@@ -512,6 +715,73 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------
+# The trainer's log-probs, chunk by chunk
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] and the entropy of that softmax, for positions h
+    [M, d], computed `chunk` positions at a time, so that no more than [chunk, V] logits
+    ever exist. Backward recomputes each chunk's logits: with z = h W^T / T and
+    p = softmax(z), d log p[target] / d z = onehot(target) - p, so
+        d h = ((onehot - p) * g / T) @ W,    d W = ((onehot - p) * g / T)^T @ h,
+    for g the incoming gradient of each position's log-prob. The logits are computed as
+    nn.Linear does, in the model's dtype, then cast to float32 (as the plain path's
+    `.float()`); the gradient goes back through that cast as autograd's would, rounded to
+    the model's dtype before the two products. d W is summed over chunks in float32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature: float, chunk: int):
+        M = h.shape[0]
+        logp = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
+        entropy = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
+        for s in range(0, M, chunk):
+            z = F.linear(h[s:s + chunk], weight, bias).float() / temperature  # [c, V]
+            lsm = torch.log_softmax(z, dim=-1)  # [c, V]
+            logp[s:s + chunk] = lsm.gather(-1, targets[s:s + chunk, None])[:, 0]
+            entropy[s:s + chunk] = -(lsm.exp() * lsm).sum(-1)
+        ctx.save_for_backward(h, weight, bias, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        h, weight, bias, targets = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        gh = torch.empty_like(h) if want_h else None  # [M, d]
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None  # [V, d]
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None  # [V]
+        if g_logp is None:
+            g_logp = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            hc, t, g = h[s:s + chunk], targets[s:s + chunk], g_logp[s:s + chunk]
+            z = F.linear(hc, weight, bias).float() / T  # [c, V] recomputed
+            dz = torch.softmax(z, dim=-1) * -g[:, None]  # [c, V] -p * g
+            dz.scatter_add_(-1, t[:, None], g[:, None])  # (onehot - p) * g
+            dl = (dz / T).to(h.dtype)  # [c, V] d logits, through z = logits / T and the float cast
+            if want_h:
+                gh[s:s + chunk] = dl @ weight  # [c, d]
+            if want_w:
+                gw += (dl.t() @ hc).float()  # [V, d]
+            if want_b:
+                gb += dl.float().sum(0)
+        return (gh, gw.to(weight.dtype) if want_w else None, gb.to(bias.dtype) if want_b else None,
+                None, None, None)
+
+
+def chunked_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+                     chunk: int):
+    """(log-prob of each target [M], entropy [M], no gradient) under softmax(h W^T / T),
+    for h [M, d] the hidden states of M positions and W the output layer's weight [V, d]:
+    the numbers of the plain path's log_softmax over [M, V] logits, without holding them."""
+    if h.shape[0] == 0:
+        empty = h.new_zeros(0, dtype=torch.float32)
+        return empty + h.sum() * 0, empty  # keeps the graph when no position is scored here
+    return _ChunkedLogprobs.apply(h, weight, bias, targets, temperature, max(1, chunk))
+
+
+# ----------------------------------------------------------------------------------------
 # Drawing a token
 
 
@@ -523,12 +793,19 @@ def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     with c_{i-1} <= u < c_i, an interval of length w_i: P(i) = w_i / c_V. A zero weight
     is an empty interval, so it is never drawn. torch.multinomial draws the same
     distribution by drawing an exponential for EVERY entry (argmax w_i / E_i): batch x
-    vocabulary random numbers a step, where this draws batch many."""
-    c = weights.cumsum(-1)  # [b, V] non-decreasing: adding w >= 0 never lowers a float sum
+    vocabulary random numbers a step, where this draws batch many.
+
+    The running sum and the uniform are float64: in float32, once c reaches ~1 every
+    weight below its rounding step (~6e-8) adds nothing, so with a 152k vocabulary tens
+    of thousands of tail tokens would get intervals of width zero and could never be
+    drawn; float64 resolves weights down to ~1e-16 of the total."""
+    c = weights.cumsum(-1, dtype=torch.float64)  # [b, V] non-decreasing: adding w >= 0 never lowers a float sum
     u = torch.rand(c.shape[0], 1, generator=gen, device=c.device, dtype=c.dtype) * c[:, -1:]  # [b, 1]
     tok = torch.searchsorted(c, u, right=True)[:, 0]  # [b] how many c_i <= u: the first i with c_i > u
-    if bool((tok == c.shape[-1]).any()):  # u rounded up to c_V (odds ~1e-7 a draw): no c_i exceeds
-        last = c.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1)  # it; u sits at the end of
-        tok = torch.minimum(tok, last)  # the last interval with weight
+    # u rounded up to c_V (odds ~1e-16 a draw): no c_i exceeds it; u then sits at the end of the
+    # last interval with weight. On a GPU the fix is applied to every row (it changes no other
+    # row: there tok <= last already), so that no step waits for the device to ask "any?".
+    if c.device.type != "cpu" or bool((tok == c.shape[-1]).any()):
+        last = c.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1)
+        tok = torch.minimum(tok, last)
     return tok
-

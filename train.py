@@ -1,6 +1,7 @@
 """Train the planner with Flow-GRPO, on-policy, inside the live agent loop.
 
     python train.py config.yaml [key=value ...]      e.g. train.steps=2 out_dir=runs/try
+    python train.py config.yaml [key=value ...] --plan    print the memory plan only
 
 Paper, section 2. One step, top to bottom in `train_step` below:
 
@@ -17,17 +18,19 @@ Paper, section 2. One step, top to bottom in `train_step` below:
 
 Everything a run makes lands in out_dir: metrics.jsonl (one row per step),
 trajectories/step_N.jsonl (every rollout, for the report), eval/ (held-out
-evaluations), checkpoints/step_N/ (Hugging Face format + trainer_state.pt) and
-learning.json (held-out before vs after). A run that is interrupted resumes from its
-latest checkpoint and reaches the same weights as one that was not: data order,
-sampling seeds and mini-batch order are all functions of (seed, step).
+evaluations), checkpoints/step_N/ (the newest only: Hugging Face format +
+trainer_state.pt) and learning.json (held-out before vs after). A run that is
+interrupted resumes from its checkpoint and reaches the same weights as one that was
+not: data order, sampling seeds and mini-batch order are all functions of (seed, step).
+
+Before any weight is loaded, the memory plan (memory_plan.py) is printed, and a run that
+cannot fit `model.memory_gb` stops there, naming the knob to turn.
 
 What we simplify against the official code: one process, one device, no Ray / vLLM /
-verl; the reference policy is the frozen initial weights, which also run the executor,
-verifier and generator.
+verl; the reference policy is the frozen initial weights (sharing the policy's frozen
+part), which also run the executor, verifier and generator.
 """
 
-import copy
 import json
 import os
 import random
@@ -47,6 +50,8 @@ from config import ConfigError, load_config, preflight
 from eval import evaluate
 from flow_grpo import LossConfig, build_rows, group_advantages, policy_update
 from judge import Judge, judge_counts
+from memory_plan import PlanError, plan_for
+from optim import frozen_reference, make_optimizer, select_trainable
 from report import record_run, write_report
 from sandbox import SandboxError
 from tools import build_tools
@@ -56,17 +61,33 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__.split("\n\n")[1])
         return 2
+    plan_only = "--plan" in argv
+    argv = [a for a in argv if a != "--plan"]
     try:
         cfg = load_config(argv[0], argv[1:])
+        if plan_only:  # the model's config.json is all it reads: no data, no tools, no weights
+            try:
+                plan = plan_for(cfg)
+            except OSError as e:  # no config.json there, or a hub id without network
+                print(f"error: cannot read the config.json of model.name={cfg['model']['name']}: {e}", file=sys.stderr)
+                return 2
+            print(plan.text())
+            return 0 if plan.fits else 3
         preflight(cfg)  # paths, model name, API keys: before minutes of model loading
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    # Fewer, larger blocks of GPU memory: the plan's slack assumes the allocator can reuse
+    # freed cache and activations for tensors of other sizes (no effect on a CPU).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         run(cfg)
     except SandboxError as e:  # raised only while the tools are built: this machine cannot run them
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PlanError as e:
+        print(f"memory plan error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -82,35 +103,55 @@ def run(cfg: dict) -> dict:
     if cfg["model"]["threads"]:
         torch.set_num_threads(cfg["model"]["threads"])
 
+    # The memory plan, from the model's config.json: a run that cannot fit stops here.
+    plan = plan_for(cfg)
+    print(plan.text(), flush=True)
+    if not plan.fits:
+        raise PlanError("; ".join(plan.problems))
     # The tools first: where the Python sandbox cannot work, the run stops before the model loads.
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are
-    # pi_ref for the KL term and also run the executor, verifier and generator.
+    # pi_ref for the KL term and also run the executor, verifier and generator. The
+    # reference shares the policy's frozen weights and copies only the trained ones.
     model, tok = load_model(cfg["model"]["name"], cfg["model"]["device"], cfg["model"]["dtype"])
-    ref = copy.deepcopy(model).requires_grad_(False)
     params = select_trainable(model, t["train_layers"])
-    optimizer = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"])
+    ref = frozen_reference(model, params)
+    # AdamW; with bf16 weights it steps fp32 masters (optim.py), and so does the schedule.
+    optimizer, masters = make_optimizer(params, t["lr"], t["weight_decay"])
     warm = max(1, t["warmup_steps"] * t["epochs"] * t["minibatches"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warm))
-    agent = AgentSystem(LLM(model, tok), LLM(ref, tok), tools, agent_config(cfg["agent"]))
+    planner, frozen = LLM(model, tok), LLM(ref, tok)
+    for llm in (planner, frozen):  # the sampler's waves and prefill forwards stay inside the plan
+        llm.wave_bytes, llm.prefill_tokens = plan.wave_bytes, plan.prefill_tokens
+    agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=cfg["eval"]["limit"] or None)
 
-    start = resume(out, model, optimizer, scheduler) if cfg["resume"] else 0
+    start = resume(out, model, optimizer, scheduler, masters) if cfg["resume"] else 0
     if start:
         print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
     e = cfg["eval"]
 
     def held_out_eval(step: int) -> dict:
-        return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
-                        max_turns=e["max_turns"], seed=e["seed"], planner_temperature=e["planner_temperature"],
-                        desc=f"held-out eval @ step {step}", judge=judge)
+        try:
+            return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
+                            max_turns=e["max_turns"], seed=e["seed"], planner_temperature=e["planner_temperature"],
+                            desc=f"held-out eval @ step {step}", judge=judge)
+        except torch.OutOfMemoryError as err:  # the plan was wrong for this machine: say so, stop
+            raise PlanError(f"out of memory during the held-out evaluation at step {step} ({err}); "
+                            f"the plan was:\n{plan.text()}\nlower model.memory_gb (the sampler then runs "
+                            f"smaller waves) or model.prefill_tokens") from err
 
     before = held_out_eval(0) if t["eval_before_after"] else None
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step")
     for step in bar:
-        metrics = train_step(cfg, step, agent, model, ref, optimizer, scheduler, train_items, tok, out, judge)
+        try:
+            metrics = train_step(cfg, step, agent, model, ref, optimizer, scheduler, train_items, tok, out, judge,
+                                 masters=masters, update_tokens=plan.update_tokens)
+        except torch.OutOfMemoryError as err:
+            raise PlanError(f"out of memory in training step {step + 1} ({err}); the plan was:\n{plan.text()}\n"
+                            f"lower model.memory_gb, train.micro_batch or model.prefill_tokens") from err
         if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
         with open(out / "metrics.jsonl", "a") as f:
@@ -118,7 +159,7 @@ def run(cfg: dict) -> dict:
         bar.set_postfix(reward="-" if metrics["reward_mean"] is None else f"{metrics['reward_mean']:.2f}",
                         kl="-" if metrics["kl"] is None else f"{metrics['kl']:.4f}", tools=metrics["top_tool"])
         if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
-            save_checkpoint(out, step + 1, model, tok, optimizer, scheduler)
+            save_checkpoint(out, step + 1, model, tok, optimizer, scheduler, masters)
             refresh_report(out)
 
     result = {"before": before}
@@ -142,7 +183,8 @@ def refresh_report(out: Path):
         return None
 
 
-def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out, judge=None) -> dict:
+def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out, judge=None, masters=None,
+               update_tokens: int = 0) -> dict:
     """One Flow-GRPO step: draw -> rollout -> judge -> advantage -> update."""
     t, G = cfg["train"], cfg["train"]["group_size"]
     queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"])
@@ -151,7 +193,9 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     # 2. Rollout: Q*G trajectories in lockstep; copies of a query are consecutive (a group).
     t0 = time.time()
     hits_before = sum(tool.cache.hits for tool in agent.tools.values() if tool.cache)
+    waves = agent.planner.waves_run + agent.frozen.waves_run
     trajs = agent.rollout([it.question for it in queries for _ in range(G)], seed=seed)
+    waves = agent.planner.waves_run + agent.frozen.waves_run - waves  # sampler waves (> calls when memory-bound)
     t1 = time.time()
 
     # 3. Judge: R_i in {0, 1} from the final answer alone. A judge that fails gives 0, never 1.
@@ -175,15 +219,16 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
               f"({sum(map(bool, infra))} of {len(trajs)} hit one); no update", file=sys.stderr)
 
     # 5. Update on planner tokens only, scored under the very SamplingParams the planner
-    #    sampled with (temperatures, tool restriction), so the loss is on-policy.
+    #    sampled with (temperatures, tool restriction), with pi_old from the trainer's own
+    #    forward at the weights that sampled: exactly on-policy in any dtype.
     upd = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None, "logprob_gap": None,
            "planner_tokens": 0, "optimizer_steps": 0}
     if rows:
         upd = policy_update(model, ref, optimizer, rows, agent.planner_params,
                             LossConfig(t["eps_low"], t["eps_high"], t["beta"]), agent.planner.pad_id,
                             epochs=t["epochs"], minibatches=t["minibatches"], max_grad_norm=t["max_grad_norm"],
-                            seed=seed, scheduler=scheduler, micro_batch=t["micro_batch"],
-                            autocast_dtype=torch.bfloat16 if t["bf16_autocast"] else None)
+                            seed=seed, scheduler=scheduler, masters=masters, micro_batch=t["micro_batch"],
+                            max_tokens=update_tokens, chunk=t["logits_chunk"])
     t3 = time.time()
 
     with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
@@ -207,7 +252,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
             "tool_error_rate": model_errors / n_calls if n_calls else 0.0,
             "infra_failures": sum(infra), "excluded_trajectories": len(trajs) - sum(map(len, groups)),
             "excluded_groups": len(queries) - len(groups), "tool_cache_hits": hits,
-            "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0],
+            "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0], "sampler_waves": waves,
             "time_rollout": t1 - t0, "time_judge": t2 - t1, "time_update": t3 - t2}
 
 
@@ -271,26 +316,14 @@ def _epoch_order(items: list, seed: int, epoch: int) -> list[int]:
     return [i for _, i in sorted(keyed)]
 
 
-def select_trainable(model, train_layers: int) -> list:
-    """All weights, or only the top `train_layers` transformer blocks and the final norm
-    (a cheaper update on a CPU; the embeddings, tied to the output layer in small models,
-    stay frozen)."""
-    if train_layers <= 0:
-        return [p for p in model.parameters() if p.requires_grad]
-    model.requires_grad_(False)
-    decoder = model.get_decoder()
-    for module in list(decoder.layers[-train_layers:]) + [decoder.norm]:
-        module.requires_grad_(True)
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 # ----------------------------------------------------------------------------------------
-# Checkpoints: Hugging Face format (loadable by AutoModelForCausalLM.from_pretrained) plus
-# trainer_state.pt, written to a temporary folder and renamed, so a crash mid-write never
-# leaves a checkpoint that looks complete.
+# Checkpoints: what transformers loads (the model, save_pretrained, and its tokenizer) and
+# what a resume needs (trainer_state.pt: optimizer state, fp32 masters, schedule, RNG), no
+# more; only the newest. Written to a temporary folder and renamed, so a crash mid-write
+# never leaves a checkpoint that looks complete; the older one goes only after that.
 
 
-def save_checkpoint(out: Path, step: int, model, tok, optimizer, scheduler, keep: int = 2) -> Path:
+def save_checkpoint(out: Path, step: int, model, tok, optimizer, scheduler, masters=None) -> Path:
     ckdir = _mkdir(out / "checkpoints")
     final = ckdir / f"step_{step}"
     tmp = ckdir / f".tmp_step_{step}"
@@ -298,15 +331,17 @@ def save_checkpoint(out: Path, step: int, model, tok, optimizer, scheduler, keep
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "masters": masters.state_dict() if masters is not None else None,
                 "rng": rng_state()}, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in sorted(_checkpoints(out))[:-keep]:
-        shutil.rmtree(old[1])
+    for old_step, path in _checkpoints(out):
+        if old_step != step:
+            shutil.rmtree(path)
     return final
 
 
-def resume(out: Path, model, optimizer, scheduler) -> int:
+def resume(out: Path, model, optimizer, scheduler, masters=None) -> int:
     """Load the latest complete checkpoint; return its step (0 if there is none)."""
     cks = sorted(_checkpoints(out))
     if not cks:
@@ -315,9 +350,14 @@ def resume(out: Path, model, optimizer, scheduler) -> int:
     from transformers import AutoModelForCausalLM
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
     model.load_state_dict(loaded.state_dict())
+    del loaded
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if masters is not None:  # the fp32 weights the bf16 checkpoint is a rounding of
+        if state.get("masters") is None:
+            raise RuntimeError(f"{path} holds no fp32 master weights; it was not written by a bf16 run")
+        masters.load_state_dict(state["masters"])
     set_rng_state(state["rng"])
     # Metrics rows written after this checkpoint belong to steps that will run again.
     metrics = out / "metrics.jsonl"

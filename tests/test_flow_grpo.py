@@ -31,14 +31,17 @@ def make_trajectories(llm: LLM, n_groups=2, G=3, seed=0, first_tokens=(), first_
 
 
 def rows_for(llm, rewards, G=3, seed=0, perturb=0.0):
+    """(trajectories, rows, old): with `perturb`, old is pi_old per row, the sampler's
+    log-probs moved by noise (as if the weights had moved since sampling, so rho != 1 and
+    clipping bites); otherwise None (the on-policy first update)."""
     trajs = make_trajectories(llm, len(rewards) // G, G, seed)
     adv = group_advantages(rewards, G)
     rows = build_rows(trajs, adv)
-    if perturb:  # pretend the weights moved since sampling, so rho != 1 and clipping bites
+    old = None
+    if perturb:
         g = torch.Generator().manual_seed(seed)
-        for r in rows:
-            r.old_logprobs = [x + perturb * float(torch.randn((), generator=g)) for x in r.old_logprobs]
-    return trajs, rows
+        old = [[x + perturb * float(torch.randn((), generator=g)) for x in r.sampler_logprobs] for r in rows]
+    return trajs, rows, old
 
 
 def assert_grads_close(ga, gb, tol=1e-4):
@@ -98,33 +101,28 @@ def test_turn_row_normalisation_weighs_long_trajectories():
 def test_batched_loss_and_gradient_equal_naive_loop(policy):
     llm, ref = policy
     rewards = [1, 0, 1, 0, 0, 1]
-    trajs, rows = rows_for(llm, rewards, perturb=0.3)
-    # build_rows copied the perturbed old log-probs; mirror them into the trajectories.
-    k = 0
-    for tr in trajs:
-        for turn in tr.turns:
-            turn.logprobs = rows[k].old_logprobs
-            k += 1
+    trajs, rows, old = rows_for(llm, rewards, perturb=0.3)
     adv = group_advantages(rewards, 3)
+    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.1), old=old)
     llm.model.zero_grad()
-    st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.1), micro_batch=64)
-    g_batched = grads(llm.model)
-    llm.model.zero_grad()
-    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.1))
     (-J).backward()
     g_naive = grads(llm.model)
-    assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
-    assert st["clip_frac"] > 0  # the perturbation made clipping active somewhere
-    assert_grads_close(g_batched, g_naive)
+    for fast in (True, False):  # the fast path (chunked log-probs) and the plain one
+        llm.model.zero_grad()
+        st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.1), micro_batch=64, old=old,
+                                  fast=fast, chunk=5)  # chunks of 5 positions: several per batch
+        assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
+        assert st["clip_frac"] > 0  # the perturbation made clipping active somewhere
+        assert_grads_close(grads(llm.model), g_naive)
 
 
 def test_micro_batching_changes_nothing(policy):
     llm, ref = policy
-    _, rows = rows_for(llm, [1, 0, 0, 0, 1, 1], perturb=0.2, seed=1)
+    _, rows, old = rows_for(llm, [1, 0, 0, 0, 1, 1], perturb=0.2, seed=1)
     results = []
     for mb in (1, 3, 64):
         llm.model.zero_grad()
-        st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.05), micro_batch=mb)
+        st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.05), micro_batch=mb, old=old)
         results.append((st["loss"], grads(llm.model)))
     for loss, g in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5, abs=1e-7)
@@ -133,7 +131,7 @@ def test_micro_batching_changes_nothing(policy):
 
 def test_zero_variance_groups_give_zero_policy_gradient(policy):
     llm, ref = policy
-    _, rows = rows_for(llm, [1, 1, 1, 0, 0, 0], seed=2)
+    _, rows, _ = rows_for(llm, [1, 1, 1, 0, 0, 0], seed=2)
     assert all(r.advantage == 0 for r in rows)
     llm.model.zero_grad()
     accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.0))
@@ -142,29 +140,27 @@ def test_zero_variance_groups_give_zero_policy_gradient(policy):
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_only_action_tokens_get_gradient(policy, fast):
-    """d(-J)/d logits is exactly zero at every position that does not score an action token."""
+    """d(-J)/d h is exactly zero at every position whose hidden state h (the final norm's
+    output, what the output layer reads) does not score an action token."""
     llm, ref = policy
-    _, rows = rows_for(llm, [1, 0, 0, 1, 0, 1], seed=3)
-    outputs = []  # every output of the lm_head (logits), kept for their gradients
+    _, rows, _ = rows_for(llm, [1, 0, 0, 1, 0, 1], seed=3)
+    outputs = []  # every output of the final norm, kept for their gradients
 
     def keep(module, inputs, out):
         if out.requires_grad:
             out.retain_grad()
         outputs.append(out)
 
-    hook = llm.model.lm_head.register_forward_hook(keep)
+    hook = llm.model.model.norm.register_forward_hook(keep)
     try:
         logp, _, mask = token_logprobs(llm.model, rows, SAMPLING, llm.pad_id, fast)
     finally:
         hook.remove()
-    old = torch.zeros_like(logp)
-    for i, r in enumerate(rows):
-        old[i, mask.shape[1] - len(r.old_logprobs):] = torch.tensor(r.old_logprobs)
-    loss, _ = flow_grpo_loss(logp, old, logp.detach(), torch.tensor([r.advantage for r in rows]),
+    loss, _ = flow_grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([r.advantage for r in rows]),
                              torch.tensor([r.weight for r in rows]), mask, LossConfig(EPS_LO, EPS_HI, 0.0))
     loss.backward()
-    # Per row, the gradient reaching each position's logits (the forwards that ran with
-    # gradient: all of them on the plain path; the row groups on the fast path).
+    # Positions whose hidden state received a gradient, over every forward that ran with
+    # gradient (one on the plain path; the row groups on the fast path).
     got = sum(int((o.grad.abs().sum(-1) > 0).sum()) for o in outputs if o.grad is not None)
     assert (mask == 0).any(), "some rows must be shorter than the longest action"
     assert got == int(mask.sum()), "exactly one position per action token has a gradient"
@@ -174,7 +170,7 @@ def test_first_update_gradient_is_reinforce(policy):
     """With old = the current log-probs (rho = 1) and beta = 0, -J's gradient equals
     REINFORCE's: -sum w_ij A_i d log pi(a_ij)."""
     llm, ref = policy
-    trajs, rows = rows_for(llm, [1, 0, 0, 0, 1, 0], seed=4)
+    trajs, rows, _ = rows_for(llm, [1, 0, 0, 0, 1, 0], seed=4)
     llm.model.zero_grad()
     accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.0))
     g_loss = grads(llm.model)
@@ -189,7 +185,7 @@ def test_first_update_gradient_is_reinforce(policy):
 def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(policy):
     llm, _ = policy
     torch.manual_seed(0)  # the reference's perturbation and the direction: the same whatever ran before
-    _, rows = rows_for(llm, [1, 0, 1, 1, 0, 0], seed=5)
+    _, rows, _ = rows_for(llm, [1, 0, 1, 1, 0, 0], seed=5)
     kl_only = (SAMPLING, LossConfig(EPS_LO, EPS_HI, 1.0), llm.pad_id)
     # Policy == reference: the KL term and its gradient vanish; only the policy term remains.
     same = copy.deepcopy(llm.model).requires_grad_(False)
@@ -200,7 +196,7 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    zero_adv = [TurnRow(r.prompt_ids, r.action_ids, r.old_logprobs, 0.0, r.weight) for r in rows]
+    zero_adv = [TurnRow(r.prompt_ids, r.action_ids, r.sampler_logprobs, 0.0, r.weight) for r in rows]
 
     def kl_value():
         with torch.no_grad():
@@ -245,7 +241,7 @@ def test_trainer_logprobs_equal_sampler_logprobs(tiny_llm):
         assert float((logp - slow).abs().max()) < 1e-4  # the fast path is the plain path
         for i, r in enumerate(rows):
             got = logp[i, mask.shape[1] - len(r.action_ids):].tolist()
-            assert max(abs(a - b) for a, b in zip(got, r.old_logprobs)) < 1e-4
+            assert max(abs(a - b) for a, b in zip(got, r.sampler_logprobs)) < 1e-4
         first_col = [mask.shape[1] - len(r.action_ids) for r in rows]
         moved = max(abs(logp[i, c] - plain[i, c]).item() for i, c in enumerate(first_col))
         assert (moved > 1e-3) == (t_first > 0)
@@ -271,3 +267,181 @@ def test_reference_objective_scores_the_tool_restriction(policy):
     (-J).backward()
     assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
     assert_grads_close(g_batched, grads(llm.model))
+
+
+@pytest.mark.parametrize("first", ["restricted", "free"])
+def test_reference_objective_scores_a_first_temperature(policy, first):
+    """The first token at its own temperature, with the tool restriction and without it
+    (a larger model: constrain_tool false): batched loss == J written as loops, and the
+    trainer's log-prob of token 0 is the sampler's."""
+    llm, ref = policy
+    allowed = tuple(sorted(llm.tok.encode(" " + n, add_special_tokens=False)[0]
+                           for n in ("Python_Coder", "Local_Search", "Base_Generator"))) if first == "restricted" else ()
+    sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
+    trajs = make_trajectories(llm, 1, 3, seed=7, first_tokens=allowed, first_temperature=2.0)
+    adv = group_advantages([1, 0, 0], 3)
+    rows = build_rows(trajs, adv)
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
+    J = reference_objective(llm.model, ref, trajs, adv, sampling, cfg)
+    llm.model.zero_grad()
+    (-J).backward()
+    g_naive = grads(llm.model)
+    for fast in (True, False):
+        llm.model.zero_grad()
+        st = accumulate_gradients(llm.model, ref, rows, sampling, cfg, llm.pad_id, fast=fast)
+        assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
+        assert st["gap_max"] < 1e-4  # the sampler drew token 0 from the distribution scored here
+        assert_grads_close(grads(llm.model), g_naive)
+
+
+def test_kl_clamp_bounds_the_gradient():
+    """k3 with verl's clamps: d k3 / d log pi = 1 - e^d inside, 0 beyond; at d = 10 (a token
+    the policy finds e^10 times less likely than the reference) the unclamped gradient
+    would be 1 - e^10 ~ -2.2e4; clamped it is 0. No d gives more than e^2.61 - 1 ~ 12.6
+    or a NaN, not even d = 100 where e^d overflows float32."""
+    from flow_grpo import k3_kl
+
+    logp = torch.zeros(7, requires_grad=True)
+    d = torch.tensor([10.0, 1.0, -1.0, 2.6, -12.0, 100.0, -100.0])  # d = log pi_ref - log pi
+    kl = k3_kl(d, logp)  # log pi_ref = d, a constant; log pi = 0
+    kl.sum().backward()
+    g = logp.grad
+    assert g[0] == 0 and kl[0] == 10  # beyond the clamp: the constant 10, no gradient
+    assert g[1] == pytest.approx(1 - torch.e, rel=1e-6) and g[2] == pytest.approx(1 - torch.exp(torch.tensor(-1.0)))
+    assert g[3] == pytest.approx(1 - torch.exp(torch.tensor(2.6)), rel=1e-6) and kl[3] < 10  # just inside
+    assert g[4] == 0 and g[5] == 0 and g[6] == 0 and torch.isfinite(kl).all()
+    sweep = torch.linspace(-30, 30, 6001)
+    x = torch.zeros_like(sweep, requires_grad=True)
+    k3_kl(sweep, x).sum().backward()
+    assert torch.isfinite(x.grad).all() and float(x.grad.abs().max()) <= torch.e ** 2.6111 - 1
+
+
+def test_reference_objective_applies_the_same_clamp(policy):
+    """With a reference far from the policy, some tokens' k3 exceeds 10 and is clamped:
+    the batched loss and gradient still equal J written as loops."""
+    llm, _ = policy
+    ref = copy.deepcopy(llm.model).requires_grad_(False)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(-3.0)  # the reference dislikes what the policy likes
+    trajs = make_trajectories(llm, 1, 3, seed=8)
+    adv = group_advantages([1, 0, 0], 3)
+    rows = build_rows(trajs, adv)
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.5)
+    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, cfg)
+    llm.model.zero_grad()
+    (-J).backward()
+    g_naive = grads(llm.model)
+    llm.model.zero_grad()
+    st = accumulate_gradients(llm.model, ref, rows, SAMPLING, cfg, llm.pad_id)
+    assert st["kl_clamped"] > 0  # the clamp was active for some tokens
+    assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
+    assert_grads_close(grads(llm.model), g_naive)
+
+
+@pytest.fixture()
+def bf16_policy(policy):
+    """The policy and the reference in bfloat16, and their float32 twins holding exactly
+    the same (bf16-representable) weights: the yardstick for bf16 arithmetic."""
+    llm, ref = policy
+    m16, r16 = copy.deepcopy(llm.model).to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
+    return LLM(m16, llm.tok), r16, copy.deepcopy(m16).float(), copy.deepcopy(r16).float()
+
+
+def test_bf16_loss_and_gradient_match_the_fp32_reference(bf16_policy):
+    """The batched loss in bf16 (fast and plain paths) against J in float32 on the same
+    weights. Tolerance: bf16 keeps 8 significant bits (a relative rounding of up to 2^-9
+    per operation); through the layers, the softmax and, on the fast path, the bf16 sum of
+    the gradients of every row that shares a prefix, the gradient agrees with the fp32 one
+    to ~1% (plain) and ~3-4% (fast) in norm, with cosine > 0.999. The bound 8% leaves
+    room for other seeds; a wrong term (a token weight, a sign, the KL) is off by O(1)."""
+    llm16, r16, m32, r32 = bf16_policy
+    trajs = make_trajectories(llm16, 2, 3, seed=0)
+    adv = group_advantages([1, 0, 1, 0, 0, 1], 3)
+    rows = build_rows(trajs, adv)
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
+    J = reference_objective(m32, r32, trajs, adv, SAMPLING, cfg)
+    (-J).backward()
+    g32 = torch.cat([p.grad.flatten() for p in m32.parameters()])
+    for fast in (True, False):
+        llm16.model.zero_grad()
+        st = accumulate_gradients(llm16.model, r16, rows, SAMPLING, cfg, llm16.pad_id, fast=fast, chunk=7)
+        g16 = torch.cat([p.grad.float().flatten() for p in llm16.model.parameters()])
+        assert float((g16 - g32).norm() / g32.norm()) < 0.08, fast
+        assert float((g16 @ g32) / (g16.norm() * g32.norm())) > 0.995
+        assert st["loss"] == pytest.approx(-J.item(), rel=0.08)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_no_grad_and_grad_forwards_are_bit_identical(bf16_policy, fast):
+    """pi_old from a pass without gradient equals log pi of the pass with gradient, bit for
+    bit: what makes rho exactly 1 on the first update when epochs x minibatches > 1."""
+    llm16 = bf16_policy[0]
+    rows = build_rows(make_trajectories(llm16, 1, 3, seed=9), [0.5, -1.0, 0.5])
+    with torch.no_grad():
+        a = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id, fast)[0]
+    b = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id, fast)[0]
+    assert b.requires_grad and torch.equal(a, b.detach())
+
+
+@pytest.mark.parametrize("epochs, minibatches", [(1, 1), (2, 2)])
+def test_first_update_is_exactly_on_policy_in_bf16(bf16_policy, epochs, minibatches):
+    """In bf16 the sampler's log-probs differ from the trainer's by rounding (logprob_gap >
+    0), yet rho == 1 exactly on the first optimizer step and nothing is clipped there:
+    pi_old is the trainer's own forward. With several steps, the later ones see rho != 1."""
+    import optim
+    from flow_grpo import policy_update
+
+    llm16, r16, _, _ = bf16_policy
+    trajs = make_trajectories(llm16, 2, 3, seed=10)
+    rows = build_rows(trajs, group_advantages([1, 0, 1, 0, 0, 1], 3))
+    opt, masters = optim.make_optimizer([p for p in llm16.model.parameters()], lr=1e-3)
+    seen = []  # (ratio, mask) of every flow_grpo_loss call
+    import flow_grpo
+
+    real = flow_grpo.flow_grpo_loss
+
+    def spy(logp, old_logp, *args):
+        seen.append((torch.exp(logp - old_logp).detach(), args[-2]))
+        return real(logp, old_logp, *args)
+
+    flow_grpo.flow_grpo_loss = spy
+    try:
+        out = policy_update(llm16.model, r16, opt, rows, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.05), llm16.pad_id,
+                            epochs=epochs, minibatches=minibatches, micro_batch=2, masters=masters)
+    finally:
+        flow_grpo.flow_grpo_loss = real
+    first_rows = -(-len(rows) // minibatches)  # the first mini-batch: rows order[0::minibatches]
+    first_step = seen[:len(flow_grpo.micro_batches(rows[:first_rows], 2))]
+    for ratio, mask in first_step:
+        assert torch.equal(ratio[mask.bool()], torch.ones_like(ratio[mask.bool()]))
+    assert out["ratio_dev_first_step"] == 0.0
+    assert out["logprob_gap"] > 1e-3  # bf16: the sampler's arithmetic is not the trainer's
+    if epochs * minibatches == 1:
+        assert out["clip_frac"] == 0.0
+    else:
+        ratio, mask = seen[-1]
+        assert float((ratio - 1).abs()[mask.bool()].max()) > 0  # the weights moved: rho != 1 later
+
+
+def test_entropy_is_that_of_the_distribution_sampled_from(tiny_llm):
+    """The entropy metric: at token 0 the restricted softmax at the first temperature (the
+    tool choice the planner drew), elsewhere the full softmax at the temperature."""
+    allowed = tuple(sorted(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
+                           for n in ("Python_Coder", "Local_Search", "Base_Generator")))
+    sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
+    trajs = make_trajectories(tiny_llm, 1, 2, seed=11, first_tokens=allowed, first_temperature=2.0)
+    rows = build_rows(trajs, [0.0, 0.0])
+    for fast in (True, False):
+        with torch.no_grad():
+            _, entropy, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, fast, chunk=3)
+        for i, r in enumerate(rows):
+            with torch.no_grad():
+                logits = tiny_llm.model(torch.tensor([r.prompt_ids + r.action_ids])).logits[0].float()  # [S, V]
+            for j in range(len(r.action_ids)):
+                z = logits[len(r.prompt_ids) - 1 + j] / sampling.temperature_at(j)
+                if j == 0:
+                    z = z[list(allowed)]
+                p = torch.softmax(z, -1)
+                want = float(-(p * p.log()).sum())
+                got = float(entropy[i, mask.shape[1] - len(r.action_ids) + j])
+                assert got == pytest.approx(want, abs=1e-4), (fast, i, j)

@@ -472,3 +472,130 @@ def test_a_model_decode_step_does_not_cover(tiny_llm):
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
     assert len(length_groups([len(p) - 8 for p in prompts])) == 2
     check_against_naive(llm, prompts, n=5)
+
+
+def test_draw_reaches_the_tail_of_a_152k_vocabulary(monkeypatch):
+    """Qwen2.5's 152,064 tokens, one of them holding almost all the weight: stored in
+    float32 the running sum near 1 moves in steps of 1.2e-7, so nearly all the 152,063
+    tail tokens behind it (1e-9 each) had intervals of width zero (and on a GPU, which
+    also adds in float32, all of them). With the float64 sum each keeps its own interval:
+    a uniform that lands inside token k's interval draws token k."""
+    from speedups import draw
+
+    V = 152_064
+    w = torch.full((1, V), 1e-9)
+    w[0, 10] = 1.0  # [1, V] the likely token, then a long tail
+    c32 = w.cumsum(-1)[0]
+    assert float((c32[11:] == c32[10:-1]).float().mean()) > 0.95  # float32: zero-width intervals
+    total = 1.0 + (V - 1) * 1e-9
+    for k in (11, 5_000, 100_000, V - 1):  # the middle of tail token k's interval, as a fraction of the total
+        frac = (1.0 + (k - 1 - 0.5) * 1e-9 + 1e-9) / total if k > 10 else 0.0
+        monkeypatch.setattr(torch, "rand", lambda *a, frac=frac, **kw: torch.full((a[0], a[1]), frac,
+                                                                              dtype=kw.get("dtype")))
+        assert draw(w, torch.Generator()).item() == k
+
+
+def test_waves_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
+    """Rows that do not fit one wave's budget run as successive waves: the same greedy
+    tokens as one wave (and as full recomputation), each wave's cache within the budget."""
+    import speedups
+
+    prompts = prompts_for(tiny_llm) * 2
+    params = SamplingParams(0.0, max_new_tokens=6)
+    one = tiny_llm.sample(prompts, params)
+    per_token = speedups.kv_bytes_per_token(tiny_llm.model.config, 4)
+    per_row = tiny_llm.model.config.vocab_size * speedups.DECODE_BYTES_PER_LOGIT
+    budget = 3 * ((max(map(len, prompts)) + 6) * per_token + per_row)  # about three rows
+    caches = []
+    real = speedups.prefill_prompts
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        caches.append((len(a[1]), out[2]))
+        return out
+
+    monkeypatch.setattr(speedups, "prefill_prompts", spy)
+    llm = LLM(tiny_llm.model, tiny_llm.tok)
+    llm.wave_bytes = budget
+    waves = llm.sample(prompts, params)
+    assert llm.waves_run >= 3 and sum(n for n, _ in caches) == len(prompts)
+    for n, cache in caches:
+        held = sum(l.k_store.numel() * 4 + l.v_store.numel() * 4 for l in cache.layers)
+        assert held + n * per_row <= budget, (held, budget)
+    for a, b in zip(one, waves):
+        assert a.ids == b.ids and a.finish == b.finish
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    check_against_naive(llm, prompts[:5], n=6)
+
+
+def test_the_cache_is_allocated_once_at_its_final_size(tiny_llm, monkeypatch):
+    """Prefix repeat, identical prompts spread to their copies, groups and families laid
+    out, rows dropped: all inside the buffers allocated at the first update, never moved."""
+    import speedups
+
+    moves = []
+    monkeypatch.setattr(speedups.RoomyLayer, "_move", lambda self, *a: moves.append(a))
+    q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
+         for m in ("none yet", "Turn 1 found the year 1204.")]
+    long = tiny_llm.chat_ids(SYSTEM, "word " * 60, "Tool:")
+    for prompts in (prompts_for(tiny_llm) * 2, q + [long], [q[0], q[0], q[1]]):
+        out = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=8))
+        assert len(out) == len(prompts)
+    assert moves == []
+
+
+def test_a_prefill_token_cap(tiny_llm):
+    """With prefill_tokens set, no prefill forward runs more than that many new tokens
+    (long texts run in pieces, groups with fewer rows), and greedy results stay those
+    of full recomputation."""
+    q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
+         for m in ("none yet", "Turn 1 found the year 1204.")]
+    prompts = prompts_for(tiny_llm) + q + [tiny_llm.chat_ids(SYSTEM, "word " * 60, "Tool:")]
+    sizes = []
+    hook = tiny_llm.model.model.embed_tokens.register_forward_hook(lambda m, i, o: sizes.append(i[0].numel()))
+    llm = LLM(tiny_llm.model, tiny_llm.tok)
+    llm.prefill_tokens = 48
+    try:
+        out = llm.sample(prompts, SamplingParams(0.0, max_new_tokens=5))
+    finally:
+        hook.remove()
+    assert max(sizes) <= 48 and max(map(len, prompts)) > 48
+    for p, s in zip(prompts, out):
+        ref_ids, ref_lp = naive_greedy(llm.model, p, len(s.ids))
+        assert s.ids == ref_ids and max(abs(a - b) for a, b in zip(s.logprobs, ref_lp)) < 1e-4
+
+
+def test_looking_every_8_tokens_equals_every_token(tiny_llm):
+    """The GPU's way (stop rules checked every 8 tokens, tokens kept on the device in the
+    meantime) against the CPU's (every token): the same greedy tokens, log-probs and
+    finishes, with rows that end on EOS, on a stop string and at the length limit."""
+    prompts = prompts_for(tiny_llm)
+    free = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=20))
+    stop = free[0].text[3:6]
+    row_stops = [(stop,), (), (free[2].text[10:12],), ()]
+    eos = tiny_llm.eos_ids[0]
+    cases = [(SamplingParams(0.0, max_new_tokens=20), row_stops),
+             (SamplingParams(0.0, max_new_tokens=13, first_tokens=(eos,)), None),
+             (SamplingParams(0.0, max_new_tokens=3), None)]
+    results = {}
+    for k in (1, 8):
+        llm = LLM(tiny_llm.model, tiny_llm.tok, check_every=k)
+        results[k] = [llm.sample(prompts, p, row_stops=rs) for p, rs in cases]
+    finishes = set()
+    for a_call, b_call in zip(results[1], results[8]):
+        for a, b in zip(a_call, b_call):
+            assert a.ids == b.ids and a.finish == b.finish and a.text == b.text
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+            finishes.add(a.finish)
+    assert finishes == {"eos", "stop", "length"}
+
+
+@pytest.mark.parametrize("cap", [None, 40])
+def test_families_without_a_common_prefix(tiny_llm, cap):
+    """Rows that share text in pairs but nothing all together (no prefix run once), with
+    and without a prefill cap: greedy tokens and log-probs of full recomputation."""
+    q1, q2 = list(range(30, 42)), list(range(50, 60))
+    prompts = [q1 + [7], q1 + [8, 9] * 10, q2 + [3] * 20, q2 + [4], [60, 61, 62]]
+    llm = LLM(tiny_llm.model, tiny_llm.tok)
+    llm.prefill_tokens = cap
+    check_against_naive(llm, prompts, n=5)

@@ -52,9 +52,11 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward_mean", "accuracy", "zero_variance_groups", "mean_turns", "tool_shares",
                 "tool_error_rate", "kl", "clip_frac", "entropy", "grad_norm", "planner_tokens",
-                "time_rollout", "time_judge", "time_update", "logprob_gap"):
+                "time_rollout", "time_judge", "time_update", "logprob_gap", "logprob_gap_mean",
+                "ratio_dev_first_step", "kl_clamped", "sampler_waves"):
         assert key in rows[0], key
-    assert all(r["logprob_gap"] < 1e-3 for r in rows)  # the loss is on-policy
+    assert all(r["logprob_gap"] < 1e-3 for r in rows)  # fp32: the sampler's arithmetic is the trainer's, to noise
+    assert all(r["ratio_dev_first_step"] == 0.0 for r in rows)  # pi_old is the trainer's own forward
     assert rows[0]["planner_tokens"] > 0
     assert rows[0]["judge"] == {"rule": 4, "llm": 0, "llm_failed": 0}  # who decided each of the 2x2 rewards
     # Checkpoint in Hugging Face format, loadable as is, with weights that moved.
@@ -66,6 +68,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
     assert any(r["zero_variance_groups"] < 1 for r in rows), "the test reward must give a signal"
     assert moved
     assert not list((out / "checkpoints").glob(".tmp*"))  # nothing half-written left
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]  # only the newest is kept
     # Held-out evaluation before and after, and the learning table.
     learning = json.loads((out / "learning.json").read_text())
     for side in ("before", "after"):
@@ -131,6 +134,7 @@ def test_draws_are_stratified_by_task_kind():
     ("model.device=tpu", ["model.device", "cpu"]),
     ("steps", ["key=value"]),
     ("agent.force_tool=Wikipedia_Search", ["agent.force_tool", "Python_Coder"]),
+    ("train.bf16_autocast=true", ["removed", "model.dtype=bfloat16"]),  # unscoreable: fp32 sampler, bf16 loss
 ])
 def test_bad_config_names_the_key_and_the_fix(override, words):
     with pytest.raises(ConfigError) as e:
@@ -286,3 +290,74 @@ def test_a_step_where_every_rollout_failed_does_not_update(tiny_model_dir, tmp_p
     assert "no update" in capsys.readouterr().err
     before, after = weights(tiny_model_dir), weights(tmp_path / "run" / "checkpoints" / "step_1")
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing moved
+def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
+    """One copy of each frozen weight: pi_ref holds the policy's own tensors for them and
+    copies only the trained ones, which keep their initial values while the policy's move."""
+    from agentflow import load_model
+    from optim import frozen_reference, make_optimizer, select_trainable
+
+    model, _ = load_model(tiny_model_dir, "cpu", "float32")
+    trained = select_trainable(model, 1)
+    ref = frozen_reference(model, trained)
+    ids = {id(p) for p in trained}
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.data_ptr() == q.data_ptr()) == (id(p) not in ids), name
+        assert not q.requires_grad
+    opt, _ = make_optimizer(trained, lr=1e-2)
+    x = torch.randint(0, 100, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    for (name, q), p in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(q, start[name]), name  # the reference did not move
+        if id(p) in ids:
+            assert not torch.equal(p, q), name  # the policy's trained weights did
+
+
+def test_a_bf16_checkpoint_restores_the_masters(tiny_model_dir, tmp_path):
+    """trainer_state.pt holds the fp32 masters: a resume continues from them, not from
+    their bf16 rounding (which would lose every update below half a bf16 step)."""
+    from agentflow import load_model
+    from optim import make_optimizer, select_trainable, step
+
+    def build():
+        model, tok = load_model(tiny_model_dir, "cpu", "bfloat16")
+        opt, masters = make_optimizer(select_trainable(model, 1), lr=1e-4)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+        return model, tok, opt, masters, sched
+
+    model, tok, opt, masters, sched = build()
+    x = torch.randint(0, 100, (2, 8))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        step(opt, masters, sched, 1.0)
+    train.save_checkpoint(tmp_path, 2, model, tok, opt, sched, masters)
+    model2, _, opt2, masters2, sched2 = build()
+    assert train.resume(tmp_path, model2, opt2, sched2, masters2) == 2
+    for a, b in zip(masters.masters, masters2.masters):
+        assert torch.equal(a, b) and a.dtype == torch.float32
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters2.masters)  # finer than bf16
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_out_of_memory_in_the_held_out_evaluation_stops_the_run(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Not a crashed item that lowers accuracy: the run stops, with the plan and the knob."""
+    from agentflow import AgentSystem
+
+    def oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(AgentSystem, "rollout", oom)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1")
+    args = [str(ROOT / "config.yaml")] + [f"{k}" for k in (
+        f"model.name={tiny_model_dir}", "model.device=cpu", f"out_dir={tmp_path / 'run'}",
+        f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
+        f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "eval.limit=2")]
+    assert cfg["train"]["eval_before_after"]
+    assert train.main(args) == 3
+    err = capsys.readouterr().err
+    assert "out of memory during the held-out evaluation" in err and "model.memory_gb" in err
+    assert "memory plan:" in err  # the plan, printed with the error
+    results = tmp_path / "run" / "eval" / "step_0" / "results.jsonl"
+    assert not results.exists() or "crashed" not in results.read_text()

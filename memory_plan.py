@@ -1,0 +1,277 @@
+"""The memory plan: what a run holds on its device, from the model's config.json alone.
+
+    python train.py CONFIG [key=value ...] --plan      print the plan, load nothing
+
+Not in the paper (its runs use 8 GPUs); what one GPU needs for its setup: Qwen2.5-7B,
+32 queries x 8 rollouts, long prompts and actions. train.py prints this plan at start
+and refuses, before any weight is loaded, a plan that cannot fit `model.memory_gb`,
+naming the knob to turn. The plan also sets what keeps the run inside it:
+
+  * the sampler runs its rows in waves, each wave's KV cache and decode logits within
+    `Plan.wave_bytes` (agentflow.LLM.sample), its prefill forwards within
+    `model.prefill_tokens` tokens;
+  * an update's micro-batch holds at most `Plan.update_tokens` tokens (rows x longest
+    sequence, flow_grpo.micro_batches).
+
+What is resident all run long, and what comes and goes:
+
+    resident = weights (one copy: the reference shares the frozen ones) + the reference's
+               copies of the trained weights + fp32 masters, AdamW moments and fp32
+               gradients of the trained weights + a reserve (CUDA context, allocator slack)
+    peak     = resident + max(sampler wave, update), never both: gradients are freed
+               right after each optimizer step, the cache after each sampler call
+
+The activation figures are upper bounds written from the modules' forward (which tensors
+autograd saves per token and layer); gpu_check.py measures them against a real device.
+Simplified: no activation checkpointing, no CPU offload; one device.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+GB = 1e9  # model.memory_gb counts in GB of 10^9 bytes, as GPU memory is sold
+
+
+@dataclass
+class Shape:
+    """What the plan needs to know of a model: read from its config, counted on the meta device."""
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int  # unique parameters (tied embeddings counted once)
+    trained: int  # parameters select_trainable trains
+    trained_layers: int  # decoder blocks among them
+    largest_trained: int  # the largest trained tensor (its bf16 gradient exists briefly)
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Keys and values of one token in every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
+
+
+def model_shape(config, train_layers: int, name: str = "") -> Shape:
+    """Shape of a causal LM from its transformers config; the parameters are counted by
+    building the model on the meta device (no memory, no weights), so any architecture
+    transformers knows is counted exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from optim import select_trainable
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    trained = select_trainable(model, train_layers)
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    hidden = config.hidden_size
+    return Shape(
+        name=name or getattr(config, "_name_or_path", "") or config.model_type, hidden=hidden,
+        intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        layers=layers, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab=config.vocab_size,
+        params=sum(p.numel() for p in model.parameters()), trained=sum(p.numel() for p in trained),
+        trained_layers=min(train_layers, layers) if train_layers > 0 else layers,
+        largest_trained=max((p.numel() for p in trained), default=0))
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    dtype: str
+    device: str
+    budget: float | None  # bytes the run may use; None = no limit
+    items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, bytes, the knob / a note)
+    resident: float = 0.0
+    sampler: float = 0.0  # one wave, at the provisioned lengths
+    update: float = 0.0
+    wave_bytes: int | None = None  # agentflow.LLM.wave_bytes: a wave's cache + decode logits
+    prefill_tokens: int | None = None  # agentflow.LLM.prefill_tokens
+    update_tokens: int = 0  # flow_grpo.micro_batches' max_tokens (0 = no cap)
+    rows_per_wave: int = 0
+    problems: list[str] = field(default_factory=list)  # why it cannot fit, each naming a knob
+
+    @property
+    def peak(self) -> float:
+        return self.resident + max(self.sampler, self.update)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def text(self) -> str:
+        limit = "no limit" if self.budget is None else f"budget {self.budget / GB:.1f} GB (model.memory_gb)"
+        out = [f"memory plan: {self.shape.name} in {self.dtype} on {self.device}, {limit}"]
+        rows = self.items + [("peak while sampling: resident + one wave", self.resident + self.sampler, ""),
+                             ("peak while updating: resident + the update", self.resident + self.update, "")]
+        for what, nbytes, note in rows:
+            out.append(f"  {what:70s} {nbytes / GB:7.2f} GB" + (f"   {note}" if note else ""))
+        if self.budget is None:
+            out.append("  no limit to check against (a CPU without model.memory_gb)")
+        else:
+            out.append(f"  {self.peak / GB:.2f} GB of {self.budget / GB:.1f} GB: " + ("fits" if self.fits else "DOES NOT FIT"))
+        out += [f"  to fit: {p}" for p in self.problems]
+        return "\n".join(out)
+
+
+# Per token and decoder layer, what autograd keeps for the backward pass of a trained
+# Llama / Qwen2 block, in bytes, for weights of `s` bytes and sequences of `seq` tokens:
+# each RMSNorm keeps its input in float32 (4h), its normalised input and its output (the
+# next projections' input; 2 s h); attention keeps q, the keys and values repeated to
+# every head (transformers repeats them whenever a padding mask is passed), its output
+# and o_proj's input (5 s h), its log-sum-exp (4 per head) and its row of the 4-D mask
+# (s per key); the MLP keeps gate, up, act(gate) and their product (4 s I).
+# tests/test_memory_plan.py counts what autograd really saves against this.
+def saved_per_token_layer(shape: Shape, s: int, seq: int) -> int:
+    h, I = shape.hidden, shape.intermediate
+    return 2 * (4 + 2 * s) * h + 5 * s * h + 4 * shape.heads + s * seq + 4 * s * I
+
+
+# The most one layer's forward holds at once without saving anything (a frozen layer, the
+# reference, the sampler's prefill): the residual, its norm in float32, then the MLP's
+# gate, up and their product.
+def transient_per_token_layer(shape: Shape, s: int) -> int:
+    h, I = shape.hidden, shape.intermediate
+    return s * (4 * h + 3 * I) + 8 * h
+
+
+def reserve_bytes(budget: float, device: str) -> float:
+    """Room the plan keeps free: the allocator's slack (3% of the budget; on CUDA
+    train.py enables expandable segments) and on CUDA the context and cuBLAS
+    workspaces (~1 GB), which torch does not count as its tensors."""
+    return (1 * GB if device == "cuda" else 0.0) + 0.03 * budget
+
+
+def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, max_prompt: int, max_new: int,
+              planner_new: int, rollout_rows: int, eval_rows: int, micro_batch: int, prefill_tokens: int,
+              logits_chunk: int) -> Plan:
+    """The plan for one run (all sizes in tokens; budget in bytes or None)."""
+    s = torch.finfo(getattr(torch, dtype)).bits // 8  # bytes per weight
+    low = s < 4
+    plan = Plan(shape, dtype, device, budget)
+    add = plan.items.append
+    weights = shape.params * s
+    add((f"weights, one copy ({shape.params / 1e9:.2f}B parameters, {dtype})", weights, ""))
+    ref_copies = shape.trained * s
+    add((f"the reference's copies of the trained weights ({shape.trained / 1e9:.2f}B)", ref_copies,
+         f"train.train_layers: {shape.trained_layers} blocks + final norm" if shape.trained_layers < shape.layers
+         else "train.train_layers 0: every weight trains"))
+    # fp32 master (low precision only), AdamW's two fp32 moments, the fp32 gradient; a
+    # bf16 weight's own gradient lives only until its hook moves it (the largest tensor's).
+    opt = shape.trained * (4 * 3 + (4 if low else 0)) + (shape.largest_trained * s if low else 0)
+    add(("fp32 masters + AdamW moments + fp32 gradients" if low else "AdamW moments + gradients (fp32)", opt, ""))
+    reserve = reserve_bytes(budget, device) if budget is not None else 0.0
+    if budget is not None:
+        add(("reserve: " + ("CUDA context, allocator slack (1 GB + 3%)" if device == "cuda"
+                            else "allocator slack (3%)"), reserve, ""))
+    plan.resident = weights + ref_copies + opt + reserve
+    add(("= resident", plan.resident, ""))
+
+    # The sampler: one wave's cache at its final size, plus what its prefill or its
+    # decode step needs on top (never both at once).
+    row_kv = (max_prompt + max_new) * shape.kv_bytes_per_token(s)
+    row_decode = shape.vocab * DECODE_BYTES_PER_LOGIT
+    cap = prefill_tokens if budget is not None else None
+    prefill = 0.0
+    if cap:
+        # one forward of `cap` tokens (its largest layer transient and its 4-D mask over
+        # every cached key) and the keys and values it materialises (twice: cat on update)
+        prefill = cap * (transient_per_token_layer(shape, s) + (max_prompt + max_new) * s
+                         + 2 * shape.kv_bytes_per_token(s))
+    if budget is not None:
+        free = budget - plan.resident - prefill
+        plan.rows_per_wave = max(0, int(free // (row_kv + row_decode)))
+        plan.wave_bytes = int(max(free, 0))
+        plan.prefill_tokens = cap
+    rows = min(plan.rows_per_wave, rollout_rows) if budget is not None else rollout_rows
+    waves = -(-rollout_rows // rows) if rows else 0
+    eval_waves = -(-eval_rows // rows) if rows else 0
+    kv = rows * row_kv
+    add((f"sampler, one wave: KV cache of {rows} rows x ({max_prompt} + {max_new}) tokens", kv,
+         f"rows per wave; {rollout_rows} rollouts in {waves} wave(s), eval.batch_size {eval_rows} in {eval_waves}"
+         if budget is not None else f"{rollout_rows} rollouts in one wave"))
+    if cap:
+        add((f"  or: a prefill forward of at most {cap} tokens", prefill, "model.prefill_tokens"))
+    add((f"  or: decode logits of {rows} rows (fp32 softmax, fp64 running sum)", rows * row_decode, ""))
+    plan.sampler = kv + max(prefill, rows * row_decode)
+
+    # The update: one micro-batch's forward and backward.
+    seq = max_prompt + planner_new
+    tokens = micro_batch * seq
+    saved = tokens * (shape.trained_layers * saved_per_token_layer(shape, s, seq) + (4 + s) * shape.hidden)
+    transient = tokens * max(saved_per_token_layer(shape, s, seq), transient_per_token_layer(shape, s))
+    mask = micro_batch * seq * seq * s
+    add((f"update: activations, {micro_batch} x {seq} tokens x {shape.trained_layers} trained blocks",
+         saved, "train.micro_batch, train.train_layers"))
+    add(("  + one layer's backward or the reference's forward, the 4-D mask", transient + mask, ""))
+    chunk = min(logits_chunk, micro_batch * planner_new)
+    logits = chunk * shape.vocab * (12 + s)  # one chunk: logits (s), float32 z, log-softmax, exp (or softmax, d z)
+    add((f"  + the logits of one chunk: {chunk} positions x {shape.vocab}", logits, "train.logits_chunk"))
+    # After the backward pass, with the activations gone: torch's foreach AdamW makes one
+    # fp32 temporary the size of the trained weights (sqrt of the second moment).
+    step = shape.trained * 4
+    add(("  or: the optimizer step's temporaries (fp32, foreach AdamW)", step, ""))
+    plan.update = max(saved + transient + mask + logits, step)
+    plan.update_tokens = tokens if budget is not None else 0
+
+    if budget is not None:
+        knobs_update = (f"lower train.micro_batch (now {micro_batch}) or train.train_layers, or the lengths "
+                        f"model.max_prompt_tokens ({max_prompt}) / agent.planner.max_new_tokens ({planner_new})")
+        if plan.resident > budget:
+            plan.problems.append(f"weights and optimizer state alone take {plan.resident / GB:.1f} GB of "
+                                 f"{budget / GB:.1f} GB: train fewer blocks (train.train_layers), or raise "
+                                 f"model.memory_gb")
+        elif plan.resident + plan.update > budget:
+            plan.problems.append(f"the update needs {plan.update / GB:.1f} GB beside {plan.resident / GB:.1f} GB "
+                                 f"resident: {knobs_update}, or train.logits_chunk")
+        if plan.resident <= budget and plan.rows_per_wave < 1:
+            plan.problems.append(f"not one sampler row of {max_prompt} + {max_new} tokens fits beside the resident "
+                                 f"memory: lower model.max_prompt_tokens or the modules' max_new_tokens "
+                                 f"(agent.*.max_new_tokens), or model.prefill_tokens ({cap})")
+    return plan
+
+
+# Bytes per vocabulary entry and row of one decode step: the logits in the model's dtype
+# and in float32, log-softmax, its exp, the float64 running sum of the draw.
+DECODE_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8
+
+
+def device_budget(cfg: dict) -> tuple[str, float | None]:
+    """(device, budget in bytes or None): model.memory_gb if set; else on CUDA the
+    device's total memory, on a CPU no limit."""
+    from agentflow import pick_device
+
+    device = cfg["model"]["device"]
+    resolved = pick_device(device)
+    gb = cfg["model"]["memory_gb"]
+    if gb > 0:
+        return resolved if device != "cuda" else "cuda", gb * GB
+    if resolved == "cuda" and torch.cuda.is_available():
+        return "cuda", float(torch.cuda.get_device_properties(0).total_memory)
+    return resolved, None
+
+
+def plan_for(cfg: dict, config=None) -> Plan:
+    """The plan of a run's config; `config` (a transformers config) saves reading config.json."""
+    if config is None:
+        from transformers import AutoConfig
+
+        from agentflow import resolve_model
+
+        config = AutoConfig.from_pretrained(resolve_model(cfg["model"]["name"]))
+    t, a, e = cfg["train"], cfg["agent"], cfg["eval"]
+    device, budget = device_budget(cfg)
+    shape = model_shape(config, t["train_layers"], name=cfg["model"]["name"])
+    max_new = max(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier", "generator"))
+    return make_plan(shape, dtype=cfg["model"]["dtype"], device=device, budget=budget,
+                     max_prompt=cfg["model"]["max_prompt_tokens"], max_new=max_new,
+                     planner_new=a["planner"]["max_new_tokens"], rollout_rows=t["queries_per_step"] * t["group_size"],
+                     eval_rows=e["batch_size"], micro_batch=t["micro_batch"],
+                     prefill_tokens=cfg["model"]["prefill_tokens"], logits_chunk=t["logits_chunk"])
+
+
+class PlanError(RuntimeError):
+    """The run cannot fit its memory budget; the message names the knob to turn."""

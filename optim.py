@@ -1,0 +1,136 @@
+"""The planner's optimizer: AdamW, with fp32 master weights when the weights are bf16.
+
+Paper, section 3: lr 1e-6 on Qwen2.5-7B, whose weights are stored in bfloat16. bf16 keeps
+8 significant bits, so a weight w moves only by steps of about |w| / 256: for w ~ 0.02
+that is ~8e-5, and for a norm weight ~1 it is ~4e-3. An AdamW update is about lr = 1e-6
+a step, far below half such a step, so stepping the bf16 tensors directly rounds almost
+every update away (and bf16 moments lose what is left). The textbook remedy, used here:
+
+  * a float32 "master" copy of every trainable bf16 / fp16 weight; AdamW (and the LR
+    schedule) step the masters, with fp32 moments, so small updates accumulate;
+  * gradients accumulate in float32 on the masters across micro-batches: a hook on each
+    bf16 weight adds its fresh gradient (in fp32) to the master's and drops the bf16 one,
+    so bf16 gradients are never summed;
+  * after every optimizer step the masters are rounded into the bf16 weights, which the
+    sampler and the trainer both use: the policy that samples is the policy that is
+    trained, in one dtype.
+
+Frozen weights stay bf16, with no master, no gradient, no optimizer state. A float32
+model needs none of this: it gets the plain AdamW over its own weights.
+"""
+
+import copy
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def select_trainable(model, train_layers: int) -> list:
+    """All weights, or only the top `train_layers` transformer blocks and the final norm
+    (a cheaper update, and on a GPU a smaller optimizer state; the embeddings, tied to
+    the output layer in small models, stay frozen)."""
+    if train_layers <= 0:
+        return [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)
+    decoder = model.get_decoder()
+    for module in list(decoder.layers[-train_layers:]) + [decoder.norm]:
+        module.requires_grad_(True)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def frozen_reference(model, trainable: list) -> torch.nn.Module:
+    """pi_ref, the frozen initial weights, for the KL term (and the frozen executor,
+    verifier and generator). It SHARES every weight the policy does not train (one copy
+    in memory: with train_layers 8 of Qwen2.5-7B's 28 blocks that is ~11 GB not
+    duplicated) and owns copies of the trained ones only, which keep their initial
+    values while the policy's move."""
+    trained = {id(p) for p in trainable}
+    shared = {id(p): p for p in model.parameters() if id(p) not in trained}  # deepcopy's memo: kept as is
+    return copy.deepcopy(model, shared).requires_grad_(False)
+
+
+class MasterWeights:
+    """fp32 masters of low-precision trainable weights, their gradients, and the copy back."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = list(params)  # the model's bf16 / fp16 weights
+        for p in self.params:  # two sets of hooks would race for the same gradient
+            owner = getattr(p, "_fp32_masters", None)
+            if owner is not None and any(q is p for q in owner.params):
+                raise RuntimeError("a weight already has an fp32 master: call remove() on the old MasterWeights first")
+            p._fp32_masters = self
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]  # fp32
+        self._hooks = [p.register_post_accumulate_grad_hook(self._into(m)) for p, m in zip(self.params, self.masters)]
+
+    def remove(self) -> None:
+        """Detach from the weights (their gradients then stay in .grad again)."""
+        for h in self._hooks:
+            h.remove()
+        for p in self.params:
+            if getattr(p, "_fp32_masters", None) is self:
+                del p._fp32_masters
+        self._hooks, self.params = [], []
+
+    @staticmethod
+    def _into(master: torch.nn.Parameter):
+        def add(p: torch.Tensor) -> None:
+            # Runs once the backward pass has put this weight's gradient in p.grad: move it
+            # to the master in fp32 (summed over micro-batches there), free the bf16 one.
+            if p.grad is None:
+                return
+            g = p.grad.float()
+            if master.grad is None:
+                master.grad = g
+            else:
+                master.grad.add_(g)
+            p.grad = None
+        return add
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Round every master into its model weight (round to nearest even)."""
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [m.detach().cpu().clone() for m in self.masters]
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self.masters):
+            raise ValueError(f"{len(tensors)} saved master weights for {len(self.masters)} trainable weights")
+        for m, t in zip(self.masters, tensors):
+            m.copy_(t)
+        self.copy_to_model()
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0):
+    """(AdamW, MasterWeights or None). bf16 / fp16 weights are stepped through fp32
+    masters; float32 weights directly (a float32 model: the plain AdamW, no masters)."""
+    low = [p for p in params if p.dtype in LOW_PRECISION]
+    if not low:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay), None
+    masters = MasterWeights(low)
+    master_of = {id(p): m for p, m in zip(masters.params, masters.masters)}
+    stepped = [master_of.get(id(p), p) for p in params]
+    return torch.optim.AdamW(stepped, lr=lr, weight_decay=weight_decay), masters
+
+
+def step(optimizer, masters: MasterWeights | None, scheduler, max_grad_norm: float) -> float:
+    """Clip, step, round the masters into the weights, advance the schedule, free the
+    gradients; return the gradient norm before clipping.
+
+    The clip acts on what the optimizer steps (its param_groups: the masters, whose .grad
+    holds the gradient; the bf16 weights' .grad is None by then). The gradients are freed
+    here, right after the step, not at the next step's start: they would otherwise sit in
+    memory through the next rollout."""
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))
+    optimizer.step()
+    if masters is not None:
+        masters.copy_to_model()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm

@@ -1,0 +1,204 @@
+"""A dress rehearsal of `python train.py configs/qwen2.5-7b-1gpu.yaml` on a CPU.
+
+The config as shipped, with what a CPU test cannot have replaced: Qwen2.5-7B by a tiny
+random Qwen2 of the same kind (untied embeddings, q/k/v biases, bfloat16, the project's
+tokenizer), the NQ + DeepMath files by small ones written here, Wikipedia and Google by a
+loopback HTTP server (their URLs are config keys; Web_Search may fetch from it through
+tools.url_allow), and a memory budget small enough that the sampler must run in waves.
+One training step of 3 turns, then the held-out evaluation of a few items, with the LLM
+judge on the frozen engine as configured. It exercises bf16 weights with fp32 masters,
+the waves, the chunked log-probs and the plan's limits together."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Api(BaseHTTPRequestHandler):
+    """Wikipedia's search + extracts API and Google's Custom Search, in the shapes the tools read."""
+
+    def do_GET(self):
+        url = urlparse(self.path)
+        self.server.seen.append(url.path)
+        q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if url.path == "/w/api.php" and q.get("list") == "search":
+            body = {"query": {"search": [{"ns": 0, "title": "Velmora", "snippet": "a river town"}]}}
+        elif url.path == "/w/api.php":
+            body = {"query": {"pages": [{"pageid": 1, "title": "Velmora", "extract": "Velmora was founded in 1742."}]}}
+        elif url.path == "/customsearch/v1":
+            body = {"items": [{"title": "Velmora", "link": "http://127.0.0.1/velmora", "snippet": "Founded 1742."}]}
+        else:
+            body = None
+        data = json.dumps(body).encode() if body else b"<p>Velmora was founded in 1742.</p>"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json" if body else "text/html")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def api(monkeypatch):
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("GOOGLE_API_KEY", "test-key")
+    monkeypatch.setenv("GOOGLE_CSE_ID", "test-cx")
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
+    srv.daemon_threads, srv.seen = True, []
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory, default_model_path) -> str:
+    """A 4-block random Qwen2 in bfloat16 with the project's tokenizer, saved in HF format."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.3)  # decisive greedy choices (see conftest.py)
+        for layer in model.model.layers:  # random init leaves the biases at 0: make them count
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("tiny_qwen2")
+    model.to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def write_data(d: Path) -> tuple[Path, Path]:
+    """NQ-like search questions and DeepMath-like ones, in prepare_data.py's layout."""
+    rows = [{"id": f"nq-{i}", "question": f"When was the town of Velmora {i} founded?", "answer": ["1742"],
+             "task": "search"} for i in range(4)]
+    rows += [{"id": f"dm-{i}", "question": f"What is {i + 2} squared?", "answer": str((i + 2) ** 2),
+              "kind": "number", "task": "math"} for i in range(4)]
+    train, heldout = d / "train.jsonl", d / "heldout.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in rows[1::3]))
+    return train, heldout
+
+
+def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api, monkeypatch):
+    import agentflow
+    import speedups
+    import train
+    from config import load_config
+    from memory_plan import GB, plan_for
+
+    train_file, heldout_file = write_data(tmp_path)
+    overrides = [
+        f"model.name={tiny_qwen2_dir}", "model.device=cpu", f"out_dir={tmp_path / 'run'}",
+        f"data.train={train_file}", f"data.heldout={heldout_file}",
+        f"tools.wikipedia_url={api.url}/w/api.php", f"tools.google_url={api.url}/customsearch/v1",
+        "tools.url_allow=[127.0.0.1]", "tools.python_timeout_s=3.0",
+        "train.steps=1", "train.queries_per_step=4", "train.group_size=2", "train.train_layers=2",
+        "train.save_every=1", "agent.planner.max_new_tokens=6", "agent.executor.max_new_tokens=8",
+        "agent.generator.max_new_tokens=6", "eval.limit=3", "eval.max_turns=2",
+        # the plan's lengths and chunks at this model's scale
+        "model.max_prompt_tokens=256", "model.prefill_tokens=256", "train.logits_chunk=4",
+    ]
+    config_path = str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml")
+    # A budget that leaves the sampler room for a few rows a wave (at least two waves for a
+    # call of 8 rows) and the update room to run: budget = resident + prefill + 2.5 rows, where
+    # the resident part grows with the budget by the plan's 3% slack.
+    probe = plan_for(load_config(config_path, overrides + ["model.memory_gb=1"]))
+    fixed = probe.resident - 0.03 * probe.budget  # weights, the reference's copies, masters, AdamW, grads
+    prefill = next(b for what, b, _ in probe.items if "prefill forward" in what)
+    per_row = (256 + 8) * probe.shape.kv_bytes_per_token(2) + probe.shape.vocab * speedups.DECODE_BYTES_PER_LOGIT
+    budget = max(fixed + prefill + 2.5 * per_row, 1.01 * (fixed + probe.update)) / 0.97
+    overrides.append(f"model.memory_gb={budget / GB:.6f}")
+    plan = plan_for(load_config(config_path, overrides))
+    assert plan.fits, plan.text()
+    assert 1 <= plan.rows_per_wave < 8, plan.text()
+    cfg = load_config(config_path, overrides)
+    assert cfg["model"]["dtype"] == "bfloat16" and not cfg["agent"]["constrain_tool"]
+    assert cfg["judge"]["llm"] and not cfg["judge"]["base_url"]  # the frozen engine judges
+
+    # Three turns: the frozen verifier never says STOP (its verdict token is compared with one
+    # that cannot be drawn), so every trajectory runs to max_turns.
+    real_init = agentflow.AgentSystem.__init__
+
+    def never_stop(self, *a, **k):
+        real_init(self, *a, **k)
+        self.stop_token = -1
+
+    monkeypatch.setattr(agentflow.AgentSystem, "__init__", never_stop)
+    # A random planner never names a tool; where it names none, take the toolset in turn,
+    # so that every tool of the config runs (the search tools against the loopback server).
+    real_parse, turn = agentflow.parse_plan, iter(range(10 ** 6))
+
+    def some_tool(text, tools):
+        plan = real_parse(text, tools)
+        return plan if plan.tool else agentflow.Plan(list(tools)[next(turn) % len(tools)], text, "")
+
+    monkeypatch.setattr(agentflow, "parse_plan", some_tool)
+    # A random model never answers right: the rules' verdict becomes "the answer's length is
+    # odd", which it earns sometimes, so that the update has a signal (the LLM judge still
+    # reviews what the rules reject).
+    import judge
+    monkeypatch.setattr(judge, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1, "f1": 0.0,
+                                                                     "extracted": answer})
+    calls, chunked = [], []
+    real_sample = agentflow.LLM.sample
+
+    def counted(self, prompts, *a, **k):
+        before = self.waves_run
+        out = real_sample(self, prompts, *a, **k)
+        calls.append((len(prompts), self.waves_run - before))
+        return out
+
+    monkeypatch.setattr(agentflow.LLM, "sample", counted)
+    real_chunked = speedups.chunked_logprobs
+    monkeypatch.setattr(speedups, "chunked_logprobs", lambda *a, **k: chunked.append(a[0].shape) or real_chunked(*a, **k))
+
+    assert train.main([config_path, *overrides]) == 0
+    out = tmp_path / "run"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["mean_turns"] == 3
+    m = metrics[0]
+    assert m["planner_tokens"] > 0 and m["ratio_dev_first_step"] == 0.0  # on-policy in bf16
+    assert m["logprob_gap"] > 0  # ... although the bf16 sampler's arithmetic is not the trainer's
+    assert any(w >= 2 for _, w in calls)  # calls with more rows than a wave holds ran in waves
+    assert all(w >= 1 for n, w in calls if n) and m["sampler_waves"] > 0
+    assert m["grad_norm"] > 0 and m["zero_variance_groups"] < 1  # a real update ...
+    assert set(m["tool_shares"]) == set(cfg["agent"]["tools"])  # ... after every tool ran
+    assert "/w/api.php" in api.seen and "/customsearch/v1" in api.seen
+    assert chunked  # the loss ran through the chunked log-probs
+    # bf16 weights in the checkpoint, fp32 masters beside them.
+    from transformers import AutoModelForCausalLM
+
+    ck = out / "checkpoints" / "step_1"
+    assert next(AutoModelForCausalLM.from_pretrained(ck).parameters()).dtype == torch.bfloat16
+    state = torch.load(ck / "trainer_state.pt", weights_only=False)
+    assert state["masters"] and all(t.dtype == torch.float32 for t in state["masters"])
+    start = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).state_dict()
+    trained = [k for k in start if k.startswith(("model.layers.2.", "model.layers.3.", "model.norm"))]
+    assert len(state["masters"]) == len(trained)
+    assert any(not torch.equal(m.to(torch.bfloat16), start[k]) or not torch.equal(m, start[k].float())
+               for m, k in zip(state["masters"], trained))  # the masters moved at lr 1e-6
+    # The held-out evaluation before and after, with the frozen engine as judge.
+    learning = json.loads((out / "learning.json").read_text())
+    assert learning["before"]["n"] == learning["after"]["n"] == 3
+    rows = [json.loads(line) for line in (out / "eval" / "step_1" / "results.jsonl").read_text().splitlines()]
+    assert not any(e.startswith("crashed") for r in rows for e in r["errors"])
+    assert {r["judge"] for r in rows} <= {"rule", "llm"}
