@@ -89,10 +89,11 @@ def test_a_run_that_cannot_fit_stops_before_loading_anything(qwen7b, tmp_path, c
         monkeypatch.setattr(train, name, lambda *a, **k: pytest.fail("the plan must refuse first"))
     monkeypatch.setenv("GOOGLE_API_KEY", "k")
     monkeypatch.setenv("GOOGLE_CSE_ID", "cx")
+    monkeypatch.setenv("SERPER_API_KEY", "k")
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "q?", "answer": "a"}) + "\n")
     rc = train.main([str(SEVEN_B), f"model.name={qwen7b}", "model.memory_gb=40", f"out_dir={tmp_path / 'run'}",
-                     f"data.train={data}", f"data.heldout={data}"])
+                     f"data.train={data}", f"data.heldout={data}", "tools.contact=tests@example.org"])
     assert rc == 3
     err = capsys.readouterr().err
     assert "memory plan error" in err and "train.train_layers" in err

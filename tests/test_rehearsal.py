@@ -3,7 +3,7 @@
 The config as shipped, with what a CPU test cannot have replaced: Qwen2.5-7B by a tiny
 random Qwen2 of the same kind (untied embeddings, q/k/v biases, bfloat16, the project's
 tokenizer), the NQ + DeepMath files by small ones written here, Wikipedia and Google by a
-loopback HTTP server (their URLs are config keys; Web_Search may fetch from it through
+loopback HTTP server (their URLs are config keys, Google through Serper as configured; Web_Search may fetch from it through
 tools.url_allow), and a memory budget small enough that the sampler must run in waves.
 One training step of 3 turns, then the held-out evaluation of a few items, with the LLM
 judge on the frozen engine as configured. It exercises bf16 weights with fp32 masters,
@@ -43,6 +43,17 @@ class _Api(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_POST(self):  # Serper: POST {"q", "num"}, results in "organic"
+        self.server.seen.append(urlparse(self.path).path)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        data = json.dumps({"organic": [{"title": "Velmora", "link": "http://127.0.0.1/velmora",
+                                        "snippet": "Founded 1742."}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def log_message(self, *args):
         pass
 
@@ -54,6 +65,7 @@ def api(monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     monkeypatch.setenv("GOOGLE_API_KEY", "test-key")
     monkeypatch.setenv("GOOGLE_CSE_ID", "test-cx")
+    monkeypatch.setenv("SERPER_API_KEY", "test-key")
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
     srv.daemon_threads, srv.seen = True, []
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -109,7 +121,8 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     overrides = [
         f"model.name={tiny_qwen2_dir}", "model.device=cpu", f"out_dir={tmp_path / 'run'}",
         f"data.train={train_file}", f"data.heldout={heldout_file}",
-        f"tools.wikipedia_url={api.url}/w/api.php", f"tools.google_url={api.url}/customsearch/v1",
+        f"tools.wikipedia_url={api.url}/w/api.php", f"tools.serper_url={api.url}/search",
+        "tools.contact=tests@example.org",
         "tools.url_allow=[127.0.0.1]", "tools.python_timeout_s=3.0",
         "train.steps=1", "train.queries_per_step=4", "train.group_size=2", "train.train_layers=2",
         "train.save_every=1", "agent.planner.max_new_tokens=6", "agent.executor.max_new_tokens=8",
@@ -182,7 +195,7 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     assert all(w >= 1 for n, w in calls if n) and m["sampler_waves"] > 0
     assert m["grad_norm"] > 0 and m["zero_variance_groups"] < 1  # a real update ...
     assert set(m["tool_shares"]) == set(cfg["agent"]["tools"])  # ... after every tool ran
-    assert "/w/api.php" in api.seen and "/customsearch/v1" in api.seen
+    assert "/w/api.php" in api.seen and "/search" in api.seen
     assert chunked  # the loss ran through the chunked log-probs
     # bf16 weights in the checkpoint, fp32 masters beside them.
     from transformers import AutoModelForCausalLM

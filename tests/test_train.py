@@ -238,7 +238,22 @@ def search_down(monkeypatch):
     monkeypatch.setattr(LocalSearch, "_run", down)
 
 
-def test_infrastructure_failures_are_left_out_of_the_update(tiny_model_dir, tmp_path, learnable_reward, search_down,
+@pytest.fixture()
+def search_flaky(monkeypatch):
+    """Local_Search fails as the network would for about half of the commands (those of
+    even length: the same command fails every time, whatever the thread order)."""
+    from tools import LocalSearch, ToolError
+
+    real = LocalSearch._run
+
+    def flaky(self, command):
+        if len(command) % 2 == 0:
+            raise ToolError("HTTP 503 from search.example (gave up after 4 tries)", infra=True)
+        return real(self, command)
+    monkeypatch.setattr(LocalSearch, "_run", flaky)
+
+
+def test_infrastructure_failures_are_left_out_of_the_update(tiny_model_dir, tmp_path, learnable_reward, search_flaky,
                                                            monkeypatch):
     updates = []
     real = train.policy_update
