@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+import dist
 import optim
 import speedups
 from agentflow import SamplingParams
@@ -384,7 +385,8 @@ def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: i
 
 def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams,
                   loss_cfg: LossConfig, pad_id: int, *, epochs: int = 1, minibatches: int = 1,
-                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, masters=None, **kw) -> dict:
+                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, masters=None, world=dist.SINGLE,
+                  **kw) -> dict:
     """`epochs` passes over one rollout batch, each split into `minibatches` optimizer
     steps (PPO style). With epochs = minibatches = 1 this is a single REINFORCE-like step
     (rho = 1, see flow_grpo_loss). A mini-batch's loss is scaled by `minibatches` so that
@@ -392,9 +394,18 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
     `sampling` is the planner's SamplingParams, the very object the sampler drew with.
     masters: optim.MasterWeights when the weights are bf16 (the optimizer steps fp32
     copies, which are then rounded into the weights). kw: micro_batch, max_tokens, fast,
-    chunk (accumulate_gradients)."""
+    chunk (accumulate_gradients).
+
+    world (dist.World): with several ranks, `rows` are this rank's, with weights over the
+    whole step's batch; every rank calls this, even with no rows. The rows are numbered
+    across ranks (rank 0's first) and mini-batch mb is drawn over that numbering, so it
+    holds the rows one process would give it; each optimizer step sums the ranks'
+    gradients first (optim.step), and the returned statistics are the whole batch's."""
     gen = torch.Generator().manual_seed(seed)
-    draw_order = lambda: torch.randperm(len(rows), generator=gen).tolist() if minibatches > 1 else list(range(len(rows)))
+    offset, total = world.offset(len(rows))  # (0, len(rows)) in one process
+    draw_order = lambda: torch.randperm(total, generator=gen).tolist() if minibatches > 1 else list(range(total))
+    local = lambda order, mb: [i - offset for i in order[mb::minibatches] if offset <= i < offset + len(rows)]
+    all_reduce = world.sum_grads if world.size > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "n_tokens": 0.0, "entropy": 0.0,
               "grad_norm": 0.0}
     order = draw_order()
@@ -404,7 +415,7 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
         old = [None] * len(rows)
         gap = {"gap_max": 0.0, "gap_sum": 0.0}
         for mb in range(minibatches):
-            idx = order[mb::minibatches]
+            idx = local(order, mb)
             lps, g = old_logprobs(model, [rows[i] for i in idx], sampling, pad_id,
                                   **{k: v for k, v in kw.items() if k in ("micro_batch", "max_tokens", "fast", "chunk")})
             for i, lp in zip(idx, lps):
@@ -415,15 +426,22 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
         if epoch:
             order = draw_order()
         for mb in range(minibatches):
-            idx = order[mb::minibatches]
+            idx = local(order, mb)
             st = accumulate_gradients(model, ref_model, [rows[i] for i in idx], sampling, loss_cfg, pad_id,
                                       scale=minibatches, old=None if old is None else [old[i] for i in idx], **kw)
             if epoch == 0 and mb == 0:
                 ratio_dev_first = st["ratio_dev"]  # 0: the first step is exactly on-policy
                 gap = gap or {k: st[k] for k in ("gap_max", "gap_sum")}  # one update: measured in this pass
-            totals["grad_norm"] += optim.step(optimizer, masters, scheduler, max_grad_norm)
+            totals["grad_norm"] += optim.step(optimizer, masters, scheduler, max_grad_norm, all_reduce)
             for key in ("loss", "kl", "clip_frac", "kl_clamped", "n_tokens", "entropy"):
                 totals[key] += st[key]
+    if world.size > 1:  # the whole batch's figures: sums add up over ranks, maxima take the max
+        summed = ("loss", "kl", "clip_frac", "kl_clamped", "n_tokens", "entropy")  # grad_norm is global already
+        parts = world.all_gather(([totals[k] for k in summed], gap["gap_sum"], gap["gap_max"], ratio_dev_first))
+        for j, key in enumerate(summed):
+            totals[key] = sum(p[0][j] for p in parts)
+        gap = {"gap_sum": sum(p[1] for p in parts), "gap_max": max(p[2] for p in parts)}
+        ratio_dev_first = max(p[3] for p in parts)
     n_steps, n_tok = epochs * minibatches, max(totals["n_tokens"], 1.0)
     return {"loss": totals["loss"] / n_steps, "kl": totals["kl"] / n_steps,
             "clip_frac": totals["clip_frac"] / n_tok, "kl_clamped": totals["kl_clamped"] / n_tok,

@@ -117,15 +117,19 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: fl
     return torch.optim.AdamW(stepped, lr=lr, weight_decay=weight_decay), masters
 
 
-def step(optimizer, masters: MasterWeights | None, scheduler, max_grad_norm: float) -> float:
-    """Clip, step, round the masters into the weights, advance the schedule, free the
-    gradients; return the gradient norm before clipping.
+def step(optimizer, masters: MasterWeights | None, scheduler, max_grad_norm: float, all_reduce=None) -> float:
+    """(Sum the gradients over processes,) clip, step, round the masters into the weights,
+    advance the schedule, free the gradients; return the gradient norm before clipping.
 
     The clip acts on what the optimizer steps (its param_groups: the masters, whose .grad
-    holds the gradient; the bf16 weights' .grad is None by then). The gradients are freed
-    here, right after the step, not at the next step's start: they would otherwise sit in
-    memory through the next rollout."""
+    holds the gradient; the bf16 weights' .grad is None by then). all_reduce (several
+    processes: dist.World.sum_grads) sums those same gradients over the ranks first, in
+    fp32 on the masters, so the norm, the clip and the step are the whole batch's, the
+    same on every rank. The gradients are freed here, right after the step, not at the
+    next step's start: they would otherwise sit in memory through the next rollout."""
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    if all_reduce is not None:
+        all_reduce(stepped)
     norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))
     optimizer.step()
     if masters is not None:
