@@ -23,7 +23,8 @@ What is resident all run long, and what comes and goes:
 
 The activation figures are upper bounds written from the modules' forward (which tensors
 autograd saves per token and layer); gpu_check.py measures them against a real device.
-Simplified: no activation checkpointing, no CPU offload; one device.
+Simplified: no activation checkpointing, no CPU offload; under torchrun each rank's
+device holds a whole plan (replicas, not shards), for its share of the rollouts.
 """
 
 from dataclasses import dataclass, field
@@ -250,12 +251,15 @@ def device_budget(cfg: dict) -> tuple[str, float | None]:
     if gb > 0:
         return resolved if device != "cuda" else "cuda", gb * GB
     if resolved == "cuda" and torch.cuda.is_available():
-        return "cuda", float(torch.cuda.get_device_properties(0).total_memory)
+        return "cuda", float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)  # this rank's
     return resolved, None
 
 
-def plan_for(cfg: dict, config=None) -> Plan:
-    """The plan of a run's config; `config` (a transformers config) saves reading config.json."""
+def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
+    """The plan of a run's config; `config` (a transformers config) saves reading config.json.
+    ranks: processes under torchrun, one device each. Each holds everything above for
+    itself (weights, reference, optimizer state: they are replicated, not sharded); only
+    its rollout is smaller, its share of the step's groups (dist.World.shard)."""
     if config is None:
         from transformers import AutoConfig
 
@@ -268,7 +272,8 @@ def plan_for(cfg: dict, config=None) -> Plan:
     max_new = max(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier", "generator"))
     return make_plan(shape, dtype=cfg["model"]["dtype"], device=device, budget=budget,
                      max_prompt=cfg["model"]["max_prompt_tokens"], max_new=max_new,
-                     planner_new=a["planner"]["max_new_tokens"], rollout_rows=t["queries_per_step"] * t["group_size"],
+                     planner_new=a["planner"]["max_new_tokens"],
+                     rollout_rows=-(-t["queries_per_step"] // ranks) * t["group_size"],  # the largest share
                      eval_rows=e["batch_size"], micro_batch=t["micro_batch"],
                      prefill_tokens=cfg["model"]["prefill_tokens"], logits_chunk=t["logits_chunk"])
 

@@ -2,6 +2,7 @@
 
     python train.py config.yaml [key=value ...]      e.g. train.steps=2 out_dir=runs/try
     python train.py config.yaml [key=value ...] --plan    print the memory plan only
+    torchrun --nproc_per_node K train.py config.yaml [...]  K processes, one device each (README)
 
 Paper, section 2. One step, top to bottom in `train_step` below:
 
@@ -26,9 +27,15 @@ not: data order, sampling seeds and mini-batch order are all functions of (seed,
 Before any weight is loaded, the memory plan (memory_plan.py) is printed, and a run that
 cannot fit `model.memory_gb` stops there, naming the knob to turn.
 
-What we simplify against the official code: one process, one device, no Ray / vLLM /
-verl; the reference policy is the frozen initial weights (sharing the policy's frozen
-part), which also run the executor, verifier and generator.
+Under torchrun (dist.py) each rank rolls out its share of the step's queries, by whole
+groups, with a seed of its own (rollout_seed); the row weights count the whole step's
+kept groups, the gradients are summed over ranks before clipping, and every rank takes
+the same optimizer step. Rank 0 alone writes, with metrics over all ranks. Without
+torchrun (or with one rank) none of this runs: the one-process code is unchanged.
+
+What we simplify against the official code: no Ray / vLLM / verl, only torch's own
+runtime for several devices; the reference policy is the frozen initial weights (sharing
+the policy's frozen part), which also run the executor, verifier and generator.
 """
 
 import json
@@ -44,6 +51,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import dist
 from agentflow import LLM, AgentSystem, agent_config, load_model
 from benchmarks import load_benchmark
 from config import ConfigError, load_config, preflight
@@ -67,7 +75,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv[0], argv[1:])
         if plan_only:  # the model's config.json is all it reads: no data, no tools, no weights
             try:
-                plan = plan_for(cfg)
+                plan = plan_for(cfg, ranks=dist.env_size())
             except OSError as e:  # no config.json there, or a hub id without network
                 print(f"error: cannot read the config.json of model.name={cfg['model']['name']}: {e}", file=sys.stderr)
                 return 2
@@ -88,24 +96,30 @@ def main(argv: list[str]) -> int:
     except PlanError as e:
         print(f"memory plan error: {e}", file=sys.stderr)
         return 3
+    finally:
+        dist.shutdown()  # under torchrun: leave the process group (nothing without it)
     return 0
 
 
 def run(cfg: dict) -> dict:
     """The whole job: build everything, (resume,) evaluate, train, evaluate, report."""
     started = time.time()
+    world = dist.init(cfg["model"]["device"])  # dist.SINGLE without torchrun
     out = Path(cfg["out_dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
+    if world.main:  # rank 0 alone writes; the others may run on machines that cannot see out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
     t = cfg["train"]
-    seed_everything(cfg["seed"])
+    seed_everything(cfg["seed"])  # the same on every rank: the ranks' own seeds are rollout_seed's
     if cfg["model"]["threads"]:
         torch.set_num_threads(cfg["model"]["threads"])
 
     # The memory plan, from the model's config.json: a run that cannot fit stops here.
-    plan = plan_for(cfg)
-    print(plan.text(), flush=True)
+    # Each rank holds all of it, for its share of the rollouts.
+    plan = plan_for(cfg, ranks=world.size)
+    if world.main:
+        print(plan.text(), flush=True)
     if not plan.fits:
         raise PlanError("; ".join(plan.problems))
     # The tools first: where the Python sandbox cannot work, the run stops before the model loads.
@@ -113,14 +127,17 @@ def run(cfg: dict) -> dict:
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are
     # pi_ref for the KL term and also run the executor, verifier and generator. The
     # reference shares the policy's frozen weights and copies only the trained ones.
-    model, tok = load_model(cfg["model"]["name"], cfg["model"]["device"], cfg["model"]["dtype"])
+    with world.local_first():  # the default model's one-time conversion: once per machine
+        model, tok = load_model(cfg["model"]["name"], cfg["model"]["device"], cfg["model"]["dtype"])
     params = select_trainable(model, t["train_layers"])
     ref = frozen_reference(model, params)
     # AdamW; with bf16 weights it steps fp32 masters (optim.py), and so does the schedule.
     optimizer, masters = make_optimizer(params, t["lr"], t["weight_decay"])
     warm = max(1, t["warmup_steps"] * t["epochs"] * t["minibatches"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warm))
-    planner, frozen = LLM(model, tok), LLM(ref, tok)
+    with world.local_first():  # the decode step measured once per machine, the other ranks read it
+        planner, frozen = LLM(model, tok), LLM(ref, tok)
+    world.agree_decode([planner, frozen])  # and rank 0's choice on every machine
     for llm in (planner, frozen):  # the sampler's waves and prefill forwards stay inside the plan
         llm.wave_bytes, llm.prefill_tokens = plan.wave_bytes, plan.prefill_tokens
     agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
@@ -128,8 +145,8 @@ def run(cfg: dict) -> dict:
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=cfg["eval"]["limit"] or None)
 
-    start = resume(out, model, optimizer, scheduler, masters) if cfg["resume"] else 0
-    if start:
+    start = resume(out, model, optimizer, scheduler, masters, world) if cfg["resume"] else 0
+    if start and world.main:
         print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
     e = cfg["eval"]
 
@@ -137,23 +154,26 @@ def run(cfg: dict) -> dict:
         try:
             return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
                             max_turns=e["max_turns"], seed=e["seed"], planner_temperature=e["planner_temperature"],
-                            desc=f"held-out eval @ step {step}", judge=judge)
+                            desc=f"held-out eval @ step {step}", judge=judge, world=world)
         except torch.OutOfMemoryError as err:  # the plan was wrong for this machine: say so, stop
             raise PlanError(f"out of memory during the held-out evaluation at step {step} ({err}); "
                             f"the plan was:\n{plan.text()}\nlower model.memory_gb (the sampler then runs "
                             f"smaller waves) or model.prefill_tokens") from err
 
     before = held_out_eval(0) if t["eval_before_after"] else None
-    bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step")
+    bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
+               disable=not world.main)
     for step in bar:
         try:
             metrics = train_step(cfg, step, agent, model, ref, optimizer, scheduler, train_items, tok, out, judge,
-                                 masters=masters, update_tokens=plan.update_tokens)
+                                 masters=masters, update_tokens=plan.update_tokens, world=world)
         except torch.OutOfMemoryError as err:
             raise PlanError(f"out of memory in training step {step + 1} ({err}); the plan was:\n{plan.text()}\n"
                             f"lower model.memory_gb, train.micro_batch or model.prefill_tokens") from err
         if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
+        if not world.main:
+            continue  # the same weights as rank 0's (tests/test_dist.py): nothing of its own to save
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         bar.set_postfix(reward="-" if metrics["reward_mean"] is None else f"{metrics['reward_mean']:.2f}",
@@ -168,9 +188,13 @@ def run(cfg: dict) -> dict:
         # What reproduces the table; wall_s is this process's time (a resumed run's own part).
         result["run"] = {"seed": cfg["seed"], "steps": t["steps"], "eval_seed": e["seed"],
                          "wall_s": round(time.time() - started, 1)}
-        (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
-        print_learning_table(result)
-    print(f"report: {refresh_report(out)}")
+        if world.size > 1:
+            result["run"]["ranks"] = world.size
+        if world.main:
+            (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
+            print_learning_table(result)
+    if world.main:
+        print(f"report: {refresh_report(out)}")
     return result
 
 
@@ -184,17 +208,21 @@ def refresh_report(out: Path):
 
 
 def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out, judge=None, masters=None,
-               update_tokens: int = 0) -> dict:
-    """One Flow-GRPO step: draw -> rollout -> judge -> advantage -> update."""
+               update_tokens: int = 0, world=dist.SINGLE) -> dict:
+    """One Flow-GRPO step: draw -> rollout -> judge -> advantage -> update. Under torchrun
+    this rank takes its share of the queries (whole groups); the metrics row it returns,
+    the same on every rank, is the whole step's."""
     t, G = cfg["train"], cfg["train"]["group_size"]
-    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"])
+    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"])  # all Q, the same on every rank
     seed = cfg["seed"] * 1_000_003 + step
+    part = world.shard(len(queries))  # this rank's groups (all of them in one process)
+    mine = queries[part.start:part.stop]
 
-    # 2. Rollout: Q*G trajectories in lockstep; copies of a query are consecutive (a group).
+    # 2. Rollout: this rank's groups in lockstep; copies of a query are consecutive (a group).
     t0 = time.time()
     hits_before = sum(tool.cache.hits for tool in agent.tools.values() if tool.cache)
     waves = agent.planner.waves_run + agent.frozen.waves_run
-    trajs = agent.rollout([it.question for it in queries for _ in range(G)], seed=seed)
+    trajs = agent.rollout([it.question for it in mine for _ in range(G)], seed=rollout_seed(seed, world.rank))
     waves = agent.planner.waves_run + agent.frozen.waves_run - waves  # sampler waves (> calls when memory-bound)
     t1 = time.time()
 
@@ -204,7 +232,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     #    how the network did, not how the policy did. Its reward stays None.
     infra = [sum(r.infra for r in tr.memory.records) for tr in trajs]  # failed tool calls per trajectory
     judged = [k for k in range(len(trajs)) if not infra[k]]
-    verdicts = (judge or Judge()).score_batch([trajs[k].answer for k in judged], [queries[k // G] for k in judged])
+    verdicts = (judge or Judge()).score_batch([trajs[k].answer for k in judged], [mine[k // G] for k in judged])
     for tr in trajs:
         tr.reward = None
     for k, v in zip(judged, verdicts):
@@ -212,51 +240,89 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     rewards = [trajs[k].reward for k in judged]
     t2 = time.time()
 
-    # 4. Advantage A_i over each group, broadcast to every planner turn of trajectory i.
-    rows, groups = kept_rows(trajs, [not n for n in infra], G, t["advantage_mode"])
-    if not rows:
-        print(f"warning: step {step + 1}: no group kept two rollouts free of infrastructure failures "
-              f"({sum(map(bool, infra))} of {len(trajs)} hit one); no update", file=sys.stderr)
+    # 4. Advantage A_i over each group, broadcast to every planner turn of trajectory i;
+    #    J's mean over queries runs over the groups kept on all ranks.
+    usable = [not n for n in infra]
+    n_kept = sum(world.all_gather(len(kept_groups(usable, G))))
+    rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups=n_kept)
+    any_rows = sum(world.all_gather(len(rows))) > 0  # on some rank: then every rank takes the step
 
     # 5. Update on planner tokens only, scored under the very SamplingParams the planner
     #    sampled with (temperatures, tool restriction), with pi_old from the trainer's own
-    #    forward at the weights that sampled: exactly on-policy in any dtype.
+    #    forward at the weights that sampled: exactly on-policy in any dtype. Every rank
+    #    takes part, with or without rows of its own: the gradient is summed over all.
     upd = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None, "logprob_gap": None,
            "planner_tokens": 0, "optimizer_steps": 0}
-    if rows:
+    if any_rows:
         upd = policy_update(model, ref, optimizer, rows, agent.planner_params,
                             LossConfig(t["eps_low"], t["eps_high"], t["beta"]), agent.planner.pad_id,
                             epochs=t["epochs"], minibatches=t["minibatches"], max_grad_norm=t["max_grad_norm"],
                             seed=seed, scheduler=scheduler, masters=masters, micro_batch=t["micro_batch"],
-                            max_tokens=update_tokens, chunk=t["logits_chunk"])
+                            max_tokens=update_tokens, chunk=t["logits_chunk"], world=world)
     t3 = time.time()
 
-    with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
-        verdict_of = dict(zip(judged, verdicts))
-        for k, tr in enumerate(trajs):
-            f.write(json.dumps({"group": k // G, "task": queries[k // G].meta.get("task", ""),
-                                "gold": queries[k // G].gold, "judge": verdict_of.get(k, {}).get("judge", ""),
-                                "infra_failures": infra[k], **tr.to_dict()}) + "\n")
-    tool_calls = Counter(tool for tr in trajs for tool in tr.tools_used)
-    n_calls = sum(tool_calls.values())
-    model_errors = sum(1 for tr in trajs for r in tr.memory.records if r.tool and r.error and not r.infra)
+    verdict_of = dict(zip(judged, verdicts))
+    lines = [json.dumps({"group": part.start + k // G, "task": mine[k // G].meta.get("task", ""),
+                         "gold": mine[k // G].gold, "judge": verdict_of.get(k, {}).get("judge", ""),
+                         "infra_failures": infra[k], **tr.to_dict()}) + "\n" for k, tr in enumerate(trajs)]
+    lines = world.gather(lines)  # every rank's, in rank order: the groups in query order
+    if world.main:
+        with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
+            f.writelines(line for rank_lines in lines for line in rank_lines)
+
+    # The metrics row from what every rank saw, concatenated in rank order (= query order),
+    # so each figure is the one a process with all of these rollouts would compute.
     hits = sum(tool.cache.hits for tool in agent.tools.values() if tool.cache) - hits_before
+    parts = world.all_gather({
+        "rewards": rewards, "group_rewards": [[trajs[k].reward for k in g] for g in groups],
+        "turns": [len(tr.turns) for tr in trajs], "tools": [tr.tools_used for tr in trajs], "infra": infra,
+        "model_errors": sum(1 for tr in trajs for r in tr.memory.records if r.tool and r.error and not r.infra),
+        "verdicts": [{k: v[k] for k in ("judge", "judge_error") if k in v} for v in verdicts],
+        "hits": hits, "waves": waves, "times": (t1 - t0, t2 - t1, t3 - t2)})
+    every = lambda key: [x for p in parts for x in p[key]]
+    rewards, group_rewards, turns = every("rewards"), every("group_rewards"), every("turns")
+    tool_calls = Counter(tool for used in every("tools") for tool in used)
+    n_calls = sum(tool_calls.values())
+    model_errors = sum(p["model_errors"] for p in parts)
+    times = [max(p["times"][j] for p in parts) for j in range(3)]  # a step waits for its slowest rank
+    if not any_rows and world.main:
+        print(f"warning: step {step + 1}: no group kept two rollouts free of infrastructure failures "
+              f"({sum(map(bool, every('infra')))} of {len(turns)} hit one); no update", file=sys.stderr)
     return {"step": step + 1, "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "accuracy": sum(r > 0 for r in rewards) / len(rewards) if rewards else None,
-            "zero_variance_groups": (sum(len({trajs[k].reward for k in g}) == 1 for g in groups) / len(groups)
-                                     if groups else None),
-            "mean_turns": sum(len(tr.turns) for tr in trajs) / len(trajs),
+            "zero_variance_groups": (sum(len(set(rs)) == 1 for rs in group_rewards) / len(group_rewards)
+                                     if group_rewards else None),
+            "mean_turns": sum(turns) / len(turns),
             "tool_shares": {k: v / n_calls for k, v in sorted(tool_calls.items())},
             "top_tool": tool_calls.most_common(1)[0][0] if tool_calls else "-",
             # the model's tool-call errors; failures of the infrastructure are counted apart
             "tool_error_rate": model_errors / n_calls if n_calls else 0.0,
-            "infra_failures": sum(infra), "excluded_trajectories": len(trajs) - sum(map(len, groups)),
-            "excluded_groups": len(queries) - len(groups), "tool_cache_hits": hits,
-            "judge": judge_counts(verdicts), **upd, "lr": scheduler.get_last_lr()[0], "sampler_waves": waves,
-            "time_rollout": t1 - t0, "time_judge": t2 - t1, "time_update": t3 - t2}
+            "infra_failures": sum(every("infra")), "excluded_trajectories": len(turns) - sum(map(len, group_rewards)),
+            "excluded_groups": len(queries) - len(group_rewards),
+            "tool_cache_hits": sum(p["hits"] for p in parts),  # each rank has its own cache
+            "judge": judge_counts(every("verdicts")), **upd, "lr": scheduler.get_last_lr()[0],
+            "sampler_waves": sum(p["waves"] for p in parts),
+            "time_rollout": times[0], "time_judge": times[1], "time_update": times[2]}
 
 
-def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory"):
+# Rank r's rollouts draw from seed + r * RANK_SEED_STRIDE: rank 0's is the one-process
+# seed, and no rank's stream is another step's (step seeds differ by 1 per step).
+RANK_SEED_STRIDE = 2 ** 32
+
+
+def rollout_seed(step_seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s rollout in the step seeded `step_seed` (train_step)."""
+    return step_seed + rank * RANK_SEED_STRIDE
+
+
+def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
+    """The trajectory indices of each group an update may use: its usable rollouts, if at
+    least 2 (copies of a query are consecutive, G to a group)."""
+    groups = [[k for k in range(q, q + G) if usable[k]] for q in range(0, len(usable), G)]
+    return [g for g in groups if len(g) >= 2]
+
+
+def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_groups: int | None = None):
     """(rows, groups): the training rows of what an update may use, and the trajectory
     indices of each group kept; sets each trajectory's advantage (None if left out).
     Copies of a query are consecutive, G to a group.
@@ -269,9 +335,10 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory"):
     query the others no longer weigh. J's averages then run over what remains: the row
     weight is 1 / (Q' * G_q * T_i), for Q' groups kept and G_q rollouts kept in group q
     (the 1/G average within each query, then the mean over queries), which is build_rows'
-    1 / (N * T_i) exactly when nothing is left out."""
-    groups = [[k for k in range(q, q + G) if usable[k]] for q in range(0, len(trajs), G)]
-    groups = [g for g in groups if len(g) >= 2]
+    1 / (N * T_i) exactly when nothing is left out. n_groups: Q' when `trajs` are one
+    rank's share of the step (the groups kept on all ranks); by default the groups here."""
+    groups = kept_groups(usable, G)
+    Q_kept = len(groups) if n_groups is None else n_groups
     for tr in trajs:
         tr.advantage = None  # what is left out has none
     rows = []
@@ -281,7 +348,7 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory"):
             trajs[k].advantage = a
             turn_rows = build_rows([trajs[k]], [a])  # its T_i planner turns, A_i broadcast to each
             for row in turn_rows:
-                row.weight = 1.0 / (len(groups) * len(g) * len(turn_rows))
+                row.weight = 1.0 / (Q_kept * len(g) * len(turn_rows))
             rows += turn_rows
     return rows, groups
 
@@ -341,27 +408,38 @@ def save_checkpoint(out: Path, step: int, model, tok, optimizer, scheduler, mast
     return final
 
 
-def resume(out: Path, model, optimizer, scheduler, masters=None) -> int:
-    """Load the latest complete checkpoint; return its step (0 if there is none)."""
-    cks = sorted(_checkpoints(out))
-    if not cks:
+def resume(out: Path, model, optimizer, scheduler, masters=None, world=dist.SINGLE) -> int:
+    """Load the latest complete checkpoint; return its step (0 if there is none).
+
+    Under torchrun every rank loads the checkpoint rank 0 found (it wrote it), from
+    out_dir, which every rank must therefore see (one machine, or a shared filesystem);
+    a rank that cannot stops the run, on every rank, rather than train from other weights."""
+    cks = sorted(_checkpoints(out)) if world.main else []
+    step = world.broadcast(cks[-1][0] if cks else 0)
+    if not step:
         return 0
-    step, path = cks[-1]
+    path = out / "checkpoints" / f"step_{step}"
+    blind = [r for r, ok in enumerate(world.all_gather((path / "trainer_state.pt").exists())) if not ok]
+    if blind:
+        raise RuntimeError(f"rank(s) {blind} cannot read {path}, the checkpoint rank 0 resumes from: under "
+                           f"torchrun out_dir must be a folder every rank sees (a shared filesystem)")
     from transformers import AutoModelForCausalLM
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
     model.load_state_dict(loaded.state_dict())
     del loaded
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    # Onto the CPU first: saved from rank 0's GPU, the tensors would otherwise all land on
+    # GPU 0 on every rank; load_state_dict moves them to each weight's device.
+    state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if masters is not None:  # the fp32 weights the bf16 checkpoint is a rounding of
         if state.get("masters") is None:
             raise RuntimeError(f"{path} holds no fp32 master weights; it was not written by a bf16 run")
         masters.load_state_dict(state["masters"])
-    set_rng_state(state["rng"])
+    set_rng_state(state["rng"])  # rank 0's; every rank seeded the same and draws from its own generators
     # Metrics rows written after this checkpoint belong to steps that will run again.
     metrics = out / "metrics.jsonl"
-    if metrics.exists():
+    if world.main and metrics.exists():
         rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
         metrics.write_text("".join(r + "\n" for r in rows))
     return step
