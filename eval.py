@@ -2,6 +2,7 @@
 
     python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
                    [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
+    torchrun --nproc_per_node K eval.py --benchmark ...      the items shared by K processes
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
 analyses of tool usage and tool-call errors. Differences from the official code: an
@@ -20,6 +21,12 @@ the others (accuracy_without_infra), so a reader sees what the outage cost.
 Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
 tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
 id is already in results.jsonl are skipped, so an interrupted evaluation loses nothing.
+
+Under torchrun (dist.py) the batches are dealt to the ranks in turn, each batch exactly
+the one a single process would run, with the same seed; rank 0 gathers every round's rows
+and writes them in item order. So K ranks write the rows one process writes (the same
+rows, when the ranks compute as that process does: same weights, threads and kernels),
+and an interrupted evaluation resumes under any number of ranks.
 """
 
 import argparse
@@ -31,39 +38,49 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import dist
 from benchmarks import Item, load_benchmark, read_jsonl
 from judge import Judge, judge_counts
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
              seed: int = 0, planner_temperature: float | None = None, desc: str = "eval",
-             judge: Judge | None = None) -> dict:
+             judge: Judge | None = None, world=dist.SINGLE) -> dict:
     """Run `agent` (an agentflow.AgentSystem) on `items` in lockstep batches; write and
-    return the summary. Every batch is appended to results.jsonl as soon as it is done.
+    return the summary. Every batch is appended to results.jsonl as soon as it is done
+    (under torchrun: every round of one batch per rank, by rank 0; every rank returns
+    the summary).
 
     planner_temperature: if given, the planner samples at this temperature here instead
     of its training one; 0 = greedy, the policy's most likely action (config eval.*)."""
     if planner_temperature is not None:
         agent = agent.with_planner_temperature(planner_temperature)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
-    done = {r["id"] for r in read_jsonl(results_path)}
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+    done = world.broadcast({r["id"] for r in read_jsonl(results_path)} if world.main else None)  # rank 0's file
     todo = [(k, it) for k, it in enumerate(items) if it.id not in done]
-    with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item") as bar:
-        for start in range(0, len(todo), batch_size):
-            # Seeded by the item's place in the file, so a resumed run samples what the
-            # uninterrupted one would have.
-            batch = [it for _, it in todo[start:start + batch_size]]
-            rows = _run_batch(agent, batch, max_turns, seed + todo[start][0], judge or Judge())
-            with open(results_path, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
-            bar.update(len(batch))
-    rows = [r for r in read_jsonl(results_path) if r["id"] in {it.id for it in items}]
-    summary = summarize(rows)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    # Seeded by the item's place in the file, so a resumed run samples what the
+    # uninterrupted one would have.
+    batches = [todo[start:start + batch_size] for start in range(0, len(todo), batch_size)]
+    with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item", disable=not world.main) as bar:
+        for first in range(0, len(batches), world.size):  # a round: batch first + r on rank r
+            b = first + world.rank
+            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, seed + batches[b][0][0],
+                               judge or Judge()) if b < len(batches) else [])
+            rounds = world.gather(rows)  # in rank order: the round's batches in item order
+            if world.main:
+                with open(results_path, "a") as f:
+                    for row in (row for rank_rows in rounds for row in rank_rows):
+                        f.write(json.dumps(row) + "\n")
+                bar.update(sum(map(len, rounds)))
+    summary = None
+    if world.main:
+        rows = [r for r in read_jsonl(results_path) if r["id"] in {it.id for it in items}]
+        summary = summarize(rows)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return world.broadcast(summary)
 
 
 def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge) -> list[dict]:
@@ -125,7 +142,7 @@ def summarize(rows: list[dict]) -> dict:
 def turn_sweep(planners: dict, items: list[Item], budgets: list[int], out_dir: Path, **kw) -> dict:
     """Accuracy as a function of the test-time turn budget (paper, Sec. 4: accuracy rises
     with the budget), for each planner: {"budgets", "planners": {label: {budget: summary}}}.
-    kw: evaluate's batch_size, seed, planner_temperature, judge."""
+    kw: evaluate's batch_size, seed, planner_temperature, judge, world."""
     result = {"budgets": budgets, "planners": {}}
     for label, agent in planners.items():
         name = label.split(" ")[0]
@@ -143,7 +160,7 @@ def print_sweep(sweep: dict) -> None:
                   "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
 
 
-def build_agent(cfg: dict, model_path: str | None = None):
+def build_agent(cfg: dict, model_path: str | None = None, world=dist.SINGLE):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
     or the configured model; executor, verifier and generator always the configured one."""
     import torch
@@ -155,9 +172,12 @@ def build_agent(cfg: dict, model_path: str | None = None):
     if m["threads"]:
         torch.set_num_threads(m["threads"])
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])  # first: a sandbox that cannot work stops us early
-    frozen_model, tok = load_model(m["name"], m["device"], m["dtype"])
-    planner_model = frozen_model if model_path is None else load_model(model_path, m["device"], m["dtype"])[0]
-    return AgentSystem(LLM(planner_model, tok), LLM(frozen_model, tok), tools, agent_config(cfg["agent"]))
+    with world.local_first():  # what is converted or measured once per machine (train.run says which)
+        frozen_model, tok = load_model(m["name"], m["device"], m["dtype"])
+        planner_model = frozen_model if model_path is None else load_model(model_path, m["device"], m["dtype"])[0]
+        planner, frozen = LLM(planner_model, tok), LLM(frozen_model, tok)
+    world.agree_decode([planner, frozen])
+    return AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
 
 
 def main(argv=None) -> int:
@@ -187,9 +207,17 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
+    world = dist.init(cfg["model"]["device"])  # dist.SINGLE without torchrun
+    try:
+        return _main(args, cfg, items, out, world)
+    finally:
+        dist.shutdown()
+
+
+def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
     from sandbox import SandboxError
     try:
-        agent = build_agent(cfg, args.model)
+        agent = build_agent(cfg, args.model, world)
     except SandboxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -204,17 +232,20 @@ def main(argv=None) -> int:
             planners[f"trained ({Path(args.model).name})"] = agent
         sweep = turn_sweep(planners, items, budgets, Path(out).parent / f"sweep_{Path(args.benchmark).stem}",
                            batch_size=args.batch_size or e["batch_size"], seed=e["seed"],
-                           planner_temperature=e["planner_temperature"], judge=judge)
-        path = Path(cfg["out_dir"]) / "turn_sweep.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(sweep, indent=2) + "\n")
-        print_sweep(sweep)
-        print(f"written to {path}")
+                           planner_temperature=e["planner_temperature"], judge=judge, world=world)
+        if world.main:
+            path = Path(cfg["out_dir"]) / "turn_sweep.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(sweep, indent=2) + "\n")
+            print_sweep(sweep)
+            print(f"written to {path}")
         return 0
     t0 = time.time()
     summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],
                        max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"],
-                       planner_temperature=cfg["eval"]["planner_temperature"], judge=judge)
+                       planner_temperature=cfg["eval"]["planner_temperature"], judge=judge, world=world)
+    if not world.main:
+        return 0
     print(json.dumps(summary, indent=2))
     print(f"accuracy {summary['accuracy']:.3f} on {summary['n']} items in {time.time() - t0:.0f}s; "
           f"results in {out}/results.jsonl")
