@@ -18,14 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "benchmarks"
 
 
+def tiny_overrides(model_dir, out_dir, *extra) -> list[str]:
+    """The config overrides of a run on the tiny random model that takes seconds."""
+    return [f"model.name={model_dir}", "model.device=cpu", f"out_dir={out_dir}",
+            f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
+            f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "train.queries_per_step=2", "train.group_size=2",
+            "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
+            "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.generator.temperature=1.0",
+            "eval.limit=4", "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0", *extra]
+
+
 def tiny_cfg(model_dir, out_dir, *extra):
-    return load_config(str(ROOT / "config.yaml"), [
-        f"model.name={model_dir}", "model.device=cpu", f"out_dir={out_dir}",
-        f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
-        f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "train.queries_per_step=2", "train.group_size=2",
-        "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
-        "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.generator.temperature=1.0", "eval.limit=4",
-        "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0", *extra])
+    return load_config(str(ROOT / "config.yaml"), tiny_overrides(model_dir, out_dir, *extra))
 
 
 @pytest.fixture()

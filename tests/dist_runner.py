@@ -1,0 +1,60 @@
+"""What tests/test_dist.py starts under torchrun: a list of jobs, one after another, in
+every rank.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_runner.py JOBS.json
+
+JOBS.json: {"dumps": DIR, "jobs": [{"train": [overrides]} | {"train_main": [argv]} | {"eval_main": [argv]}]}.
+"train" is train.run on config.yaml with the overrides (the process group stays up for
+the next job); "train_main" and "eval_main" are the command lines' main(), which leave
+the group when they end, so one of them can only be the last job.
+
+The reward is test_dist.alternating_verdicts: a random model never answers right, and
+this one gives every group a signal. After every training step each rank saves its trainable weights
+to DIR/<out_dir name>_rank<r>_step<n>.pt, so the test can compare the ranks' weights.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import judge  # noqa: E402
+import train  # noqa: E402
+from test_dist import alternating_verdicts  # noqa: E402
+
+
+def main(jobfile: str) -> int:
+    spec = json.loads(Path(jobfile).read_text())
+    dumps, rank = Path(spec["dumps"]), int(os.environ["RANK"])
+    judge.Judge.score_batch = alternating_verdicts
+    real_step = train.train_step
+
+    def step_and_dump(cfg, step, agent, model, *a, **kw):
+        metrics = real_step(cfg, step, agent, model, *a, **kw)
+        trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save(trained, dumps / f"{Path(cfg['out_dir']).name}_rank{rank}_step{step + 1}.pt")
+        return metrics
+    train.train_step = step_and_dump
+
+    from config import load_config
+    for job in spec["jobs"]:
+        (kind, args), = job.items()
+        if kind == "train":
+            train.run(load_config(str(ROOT / "config.yaml"), args))
+        elif kind == "train_main":
+            if train.main(args):
+                return 1
+        elif kind == "eval_main":
+            import eval as evaluation
+            if evaluation.main(args):
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
