@@ -6,7 +6,8 @@ every rank.
 JOBS.json: {"dumps": DIR, "jobs": [{"train": [overrides]} | {"train_main": [argv]} | {"eval_main": [argv]}]}.
 "train" is train.run on config.yaml with the overrides (the process group stays up for
 the next job); "train_main" and "eval_main" are the command lines' main(), which leave
-the group when they end, so one of them can only be the last job.
+the group when they end, so one of them can only be the last job. A job with
+"flaky": true runs with test_dist.flaky's Local_Search.
 
 The reward is test_dist.alternating_verdicts: a random model never answers right, and
 this one gives every group a signal. After every training step each rank saves its trainable weights
@@ -25,7 +26,8 @@ import torch  # noqa: E402
 
 import judge  # noqa: E402
 import train  # noqa: E402
-from test_dist import alternating_verdicts  # noqa: E402
+import tools  # noqa: E402
+from test_dist import alternating_verdicts, flaky  # noqa: E402
 
 
 def main(jobfile: str) -> int:
@@ -42,7 +44,9 @@ def main(jobfile: str) -> int:
     train.train_step = step_and_dump
 
     from config import load_config
+    reliable = tools.LocalSearch._run
     for job in spec["jobs"]:
+        tools.LocalSearch._run = flaky(reliable) if job.pop("flaky", False) else reliable
         (kind, args), = job.items()
         if kind == "train":
             train.run(load_config(str(ROOT / "config.yaml"), args))

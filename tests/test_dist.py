@@ -34,6 +34,8 @@ EQUAL = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "t
          f"train.group_size={G}", "train.minibatches=2")  # two optimizer steps: the mini-batch split is global
 LONE = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=1",
         f"train.group_size={G}")  # rank 0 has no query: it still sums (zeros) and steps
+INFRA = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=4",
+         "train.group_size=3", "agent.force_tool=Local_Search")  # with flaky(): groups lose rollouts, or all
 RESUME = ("train.save_every=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=3")
 # Two ranks sum the gradient in another order than one process (per rank, then across),
 # so gradients agree to float rounding, not to the bit. AdamW divides each gradient by its
@@ -46,12 +48,28 @@ WEIGHT_ATOL = LR / 100
 
 
 def alternating_verdicts(judge, answers: list[str], items: list) -> list[dict]:
-    """Judge.score_batch for these tests: right, wrong, right, ... by place in the batch. A
-    random model never answers right; with G even this gives every group one right and one
-    wrong rollout per pair (A = +-1), whatever was sampled, and the same verdicts to one
-    process as to two ranks (a rank's batch starts at a group's first rollout)."""
-    return [{"correct": k % 2 == 0, "f1": 0.0, "extracted": a, "judge": "rule", "judge_error": ""}
-            for k, a in enumerate(answers)]
+    """Judge.score_batch for these tests: right, wrong, right, ... along each run of the
+    same item (a group's judged rollouts). A random model never answers right; this gives
+    every group a signal whatever was sampled, and the same verdicts on one process as on
+    two ranks (a group and its judged rollouts are all on one rank)."""
+    out, prev, j = [], None, 0
+    for a, it in zip(answers, items):
+        j = j + 1 if it is prev else 0
+        prev = it
+        out.append({"correct": j % 2 == 0, "f1": 0.0, "extracted": a, "judge": "rule", "judge_error": ""})
+    return out
+
+
+def flaky(real_run):
+    """Local_Search._run failing as the network would for the commands of even length (so
+    the same command fails on every rank and in every process)."""
+    from tools import ToolError
+
+    def run(self, command):
+        if len(command) % 2 == 0:
+            raise ToolError("HTTP 503 from search.example (gave up after 4 tries)", infra=True)
+        return real_run(self, command)
+    return run
 
 
 def eval_args(model_dir, out):
@@ -96,6 +114,9 @@ def runs(tiny_model_dir, tmp_path_factory):
             split.setattr(AgentSystem, "rollout", as_two_ranks)
             for name, extra in (("one", EQUAL), ("lone_one", LONE)):
                 train.run(load_config(str(ROOT / "config.yaml"), tiny_overrides(tiny_model_dir, work / name, *extra)))
+            from tools import LocalSearch
+            split.setattr(LocalSearch, "_run", flaky(LocalSearch._run))
+            train.run(load_config(str(ROOT / "config.yaml"), tiny_overrides(tiny_model_dir, work / "infra_one", *INFRA)))
         assert evaluation.main(eval_args(tiny_model_dir, work / "eval_one")) == 0
     torch.set_num_threads(threads)
     # An evaluation interrupted after its first batch: the 2 ranks resume it.
@@ -106,6 +127,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     run_args = lambda out, *extra: tiny_overrides(tiny_model_dir, work / out, *RESUME, *extra)
     torchrun([{"train": tiny_overrides(tiny_model_dir, work / "two", *EQUAL)},
               {"train": tiny_overrides(tiny_model_dir, work / "lone_two", *LONE)},
+              {"train": tiny_overrides(tiny_model_dir, work / "infra_two", *INFRA), "flaky": True},
               {"train": run_args("full", "train.steps=2")},
               {"train": run_args("cut", "train.steps=1")},
               {"eval_main": eval_args(tiny_model_dir, work / "eval_two")}], work, "first")
@@ -117,10 +139,11 @@ def lines(path) -> list[str]:
     return Path(path).read_text().splitlines()
 
 
-@pytest.mark.parametrize("one, two", [("one", "two"), ("lone_one", "lone_two")])
+@pytest.mark.parametrize("one, two", [("one", "two"), ("lone_one", "lone_two"), ("infra_one", "infra_two")])
 def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
-    """4 queries, 2 on each rank, in 2 mini-batches (2 optimizer steps); and 1 query, on
-    rank 1, rank 0 taking the step with nothing of its own."""
+    """4 queries, 2 on each rank, in 2 mini-batches (2 optimizer steps); 1 query, on rank
+    1, rank 0 taking the step with nothing of its own; 4 queries whose searches fail half
+    the time, so that J averages over the groups and rollouts kept on both ranks."""
     name, one, two = two, runs / one, runs / two
     # The union of the ranks' rollouts is the reference's, to the bit: tokens, tools, answers,
     # rewards, advantages (the group index is the global one).
@@ -148,12 +171,15 @@ def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
     assert not list(two.glob("*rank*")) and (two / "run.json").exists()  # rank 0 alone writes in out_dir
 
 
-@pytest.mark.parametrize("name", ["two", "lone_two"])
+@pytest.mark.parametrize("name", ["two", "lone_two", "infra_two"])
 def test_the_compared_steps_learn(runs, tiny_model_dir, name):
     """The steps compared above carry a signal and move every trained tensor (in the lone
-    case through rank 1's gradient alone): the comparison is not of runs that did nothing."""
+    case through rank 1's gradient alone): the comparison is not of runs that did nothing.
+    In the flaky case some rollouts were left out, and some groups kept."""
     (m,) = [json.loads(x) for x in lines(runs / name / "metrics.jsonl")]
     assert m["zero_variance_groups"] == 0 and m["grad_norm"] > 0
+    if name == "infra_two":
+        assert m["excluded_trajectories"] > 0 and m["excluded_groups"] < 4, "the sample path must exclude some"
     start, after = load_file(str(Path(tiny_model_dir) / "model.safetensors")), trained(runs / f"{name}_rank0_step1.pt")
     assert all(not torch.equal(start[k], after[k]) for k in after)
 
