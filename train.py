@@ -234,7 +234,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     with open(_mkdir(out / "trajectories") / f"step_{step + 1}.jsonl", "w") as f:
         verdict_of = dict(zip(judged, verdicts))
         for k, tr in enumerate(trajs):
-            f.write(json.dumps({"group": k // G, "task": queries[k // G].meta.get("task", ""),
+            f.write(json.dumps({"group": k // G, "id": queries[k // G].id, "task": queries[k // G].meta.get("task", ""),
                                 "gold": queries[k // G].gold, "judge": verdict_of.get(k, {}).get("judge", ""),
                                 "infra_failures": infra[k], **tr.to_dict()}) + "\n")
     tool_calls = Counter(tool for tr in trajs for tool in tr.tools_used)
