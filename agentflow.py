@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import speedups
-from memory import EMPTY, Memory
+from memory import Memory, cut
 from tools import Tool, run_tool_calls
 
 # ----------------------------------------------------------------------------------------
@@ -396,9 +396,12 @@ Pick the ONE tool that fits the next step. Reply in exactly two lines:
 Tool: <tool name>
 Sub-goal: <what this step must find out>"""
 
+# The planner reads the memory as what each earlier step found, the tool named by what it
+# did ("a search found: ..."): shown "Turn 1: Local_Search - ...", a 135M planner copies
+# the last tool name into its reply (docs/LOG.md), and a second step is rarely sampled.
 PLANNER_USER = """Question: {query}
-Memory of earlier steps:
-{memory}
+What the earlier steps found:
+{found}
 Step {turn} of at most {max_turns}. What is the next step?"""
 
 # The executor sees one worked example per tool of the toolset (all in the shared system
@@ -424,6 +427,10 @@ Reply STOP if it does, CONTINUE if another tool step is needed."""
 VERIFIER_USER = """Question: {query}
 Memory:
 {memory}"""
+# After a tool with a Check: its output, then the question last (what a 135M model reads
+# most recently weighs most; the check is about the question).
+CHECK_USER = """Found: {result}
+Question: {query}"""
 
 GENERATOR_SYSTEM = """You give the final answer to a question, using the memory of tool results.
 Reply with the answer only; when a tool result holds it, copy it exactly.
@@ -538,6 +545,14 @@ def agent_config(a: dict) -> AgentConfig:
                        result_chars=a["result_chars"], **modules)
 
 
+def _example_memory(earlier) -> Memory:
+    """The memory of a worked example: its earlier turns (tool, sub-goal, command, result)."""
+    m = Memory(budget_chars=10_000, result_chars=10_000)
+    for tool, goal, command, result in earlier:
+        m.add(goal, tool, command, result)
+    return m
+
+
 class AgentSystem:
     """The four modules around a toolset. `planner` samples from the trainable weights;
     `frozen` (the initial weights, also pi_ref) runs executor, verifier and generator."""
@@ -560,15 +575,24 @@ class AgentSystem:
         # choices is worth, the yardstick for a trained planner. Measurement only.
         forced = [n.strip() for n in cfg.force_tool.split(",") if n.strip()]
         self.forced_params = [replace(cfg.planner, first_tokens=(first_token[n],)) for n in forced]
-        # The verifier's verdict is the first token of its reply, forced to " STOP" or
-        # " CONTINUE" (greedy: whichever the frozen model finds likelier).
-        self.stop_token, self.continue_token = (frozen.tok.encode(w, add_special_tokens=False)[0]
-                                                for w in (" STOP", " CONTINUE"))
+        # The verifier's verdict is the first token of its reply, forced to one of two
+        # words (greedy: whichever the frozen model finds likelier). After a tool with a
+        # Check (tools.py) it answers that tool's question with " Yes" or " No"; after any
+        # other tool, or a turn without one, the general question with " STOP" or " CONTINUE".
+        word = lambda w: frozen.tok.encode(w, add_special_tokens=False)[0]
+        self.stop_token, self.continue_token = word(" STOP"), word(" CONTINUE")
+        self.yes_token, self.no_token = word(" Yes"), word(" No")
         self.verifier_params = replace(cfg.verifier, max_new_tokens=1,
                                        first_tokens=(self.stop_token, self.continue_token))
+        self.check_params = replace(self.verifier_params, first_tokens=(self.yes_token, self.no_token))
+        self.check_system = {t.name: t.check.question + "\n\n" + "\n\n".join(
+            CHECK_USER.format(result=out, query=q) + f"\n{t.check.label} {a}" for q, out, a in t.check.examples)
+            for t in tools.values() if t.check}
+        # The executor's worked examples, each laid out exactly like its own prompt, the
+        # earlier turns rendered by the Memory the real prompts come from.
         self.executor_system = EXECUTOR_SYSTEM.format(examples="\n\n".join(
-            EXECUTOR_USER.format(sub_goal=goal, memory=EMPTY, query=q, tool=t.name) + f"\n{t.input_prefix}{example}"
-            for t in tools.values() if t.example for q, goal, example in [t.example]))
+            EXECUTOR_USER.format(sub_goal=goal, memory=_example_memory(earlier).render(), query=q, tool=t.name)
+            + f"\n{t.input_prefix}{text}" for t in tools.values() for q, earlier, goal, text in t.examples))
 
     def with_planner_temperature(self, temperature: float) -> "AgentSystem":
         """The same modules and tools with the planner sampling at `temperature` (0 = greedy),
@@ -593,7 +617,7 @@ class AgentSystem:
 
             # Planner: a^t ~ pi_theta(. | q, K, M^t), one batched call over live trajectories.
             prompts = [self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
-                query=tr.query, memory=tr.memory.render(), turn=turn, max_turns=T_max), "Tool:")
+                query=tr.query, found=self._found(tr.memory), turn=turn, max_turns=T_max), "Tool:")
                 for tr in live]
             params = (self.forced_params[min(turn, len(self.forced_params)) - 1] if self.forced_params
                       else self.planner_params)
@@ -620,12 +644,10 @@ class AgentSystem:
                 tr.memory.add(pl.sub_goal, pl.tool, commands.get(i, ""), r.output if r else "",
                               pl.error or (r.error if r else ""), infra=bool(r and r.infra))
 
-            # Verifier: v^t = V(q, e^t, M^t), one batched call; the last turn needs none.
+            # Verifier: v^t = V(q, e^t, M^t), one batched call per kind of question; the last
+            # turn needs none.
             if turn < T_max:
-                vprompts = [self.frozen.chat_ids(VERIFIER_SYSTEM, VERIFIER_USER.format(
-                    query=tr.query, memory=tr.memory.render()), "Conclusion:") for tr in live]
-                for tr, smp in zip(live, self.frozen.sample(vprompts, self.verifier_params, s + 2)):
-                    stop = smp.ids[:1] == [self.stop_token]
+                for tr, stop in zip(live, self._verify(live, s + 2)):
                     tr.memory.records[-1].verdict = "stop" if stop else "continue"
                     tr.log.append({"module": "verifier", "turn": turn, "output": "STOP" if stop else "CONTINUE"})
                     tr.done = stop
@@ -640,6 +662,37 @@ class AgentSystem:
             tr.answer = smp.text.strip()
             tr.log.append({"module": "generator", "output": tr.answer})
         return trajs
+
+    def _found(self, memory: Memory) -> str:
+        """The planner's view of M^t: one line per turn, what it did and what came back."""
+        lines = [f"- {self.tools[r.tool].found_as if r.tool in self.tools else 'a step without a tool gave'}: "
+                 f"{r.result or r.error}" for r in memory.records]
+        return cut("\n".join(lines), memory.budget_chars) if lines else "- nothing yet"
+
+    def _verify(self, live, seed) -> list[bool]:
+        """v^t for each live trajectory: True = stop. After a tool with a Check the frozen model
+        answers that tool's question about the question and the tool's output e^t; otherwise
+        the general question about the whole memory."""
+        stops = [False] * len(live)
+        by_check: dict[str, list[int]] = {}
+        for i, tr in enumerate(live):
+            by_check.setdefault(tr.memory.records[-1].tool if tr.memory.records[-1].tool in self.check_system
+                                else "", []).append(i)
+        for tool, rows in by_check.items():
+            if tool:
+                check = self.tools[tool].check
+                prompts = [self.frozen.chat_ids(self.check_system[tool], CHECK_USER.format(
+                    result=live[i].memory.records[-1].result or live[i].memory.records[-1].error,
+                    query=live[i].query), check.label) for i in rows]
+                stop_token = self.yes_token if check.stop_if == "Yes" else self.no_token
+                params = self.check_params
+            else:
+                prompts = [self.frozen.chat_ids(VERIFIER_SYSTEM, VERIFIER_USER.format(
+                    query=live[i].query, memory=live[i].memory.render()), "Conclusion:") for i in rows]
+                stop_token, params = self.stop_token, self.verifier_params
+            for i, smp in zip(rows, self.frozen.sample(prompts, params, seed)):
+                stops[i] = smp.ids[:1] == [stop_token]
+        return stops
 
     def _execute(self, live, plans, valid, turn, seed) -> dict[int, str]:
         # The tool input starts with `start`: code_start for Python (config.yaml forces

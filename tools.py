@@ -185,6 +185,19 @@ class ReplyCache:
         return result
 
 
+@dataclass(frozen=True)
+class Check:
+    """The verifier's question after a tool ran, answered by the frozen LLM with one forced
+    " Yes" or " No". A 135M model cannot weigh the question against the whole memory, but it
+    tells apart questions that ask for a calculation from those that do not (docs/LOG.md), so
+    each tool asks the one thing its result leaves open: after a search, is a calculation
+    still needed; after code, was a calculation what the question asked for."""
+    question: str  # the verifier's instruction, above the examples
+    label: str  # the reply is forced to start here, in the examples and in the prompt
+    stop_if: str  # "Yes" or "No": the answer that ends the trajectory
+    examples: tuple[tuple[str, str, str], ...]  # (question, the tool's output, answer)
+
+
 class Tool:
     """One tool, with every fact the agent's prompts need about it (agentflow.py reads
     them): its card for the planner, how the executor writes its input, and the words a
@@ -192,9 +205,13 @@ class Tool:
     name = ""
     card = ""  # read by the planner in every prompt: keep it to a few short lines
     input_prefix = "Input:"  # the executor's reply is forced to start with this
+    found_as = "a tool gave"  # how the planner's view of the memory names a turn of this tool
     input_stops: tuple[str, ...] = ("\n",)  # ... and ends at the first of these
-    # The executor's worked example: (question, sub-goal, input written after the prefix).
-    example: tuple[str, str, str] | None = None
+    # The executor's worked examples: (question, earlier turns, sub-goal, input written
+    # after the prefix); an earlier turn is (tool, sub-goal, command, result) as memory holds it.
+    examples: tuple[tuple[str, tuple, str, str], ...] = ()
+    # What the verifier asks after this tool ran (None: the general STOP/CONTINUE prompt).
+    check: "Check | None" = None
     aliases: tuple[str, ...] = ()  # lower-case words that name this tool in a planner's reply
     # The reply depends on the command alone (searches; not code, which may draw random
     # numbers or read the clock), so a repeated command may be answered from the cache.
@@ -234,8 +251,9 @@ class BaseGenerator(Tool):
     name = "Base_Generator"
     card = ("Answers directly from the language model's own knowledge and reasoning.\n"
             "Input: the question. No tools: may be wrong on exact arithmetic and rare facts.")
+    found_as = "the model answered"
     input_prefix, input_stops = "Answer:", ("\n\n",)
-    example = ("What is the capital of France?", "name the capital", " Paris")
+    examples = (("What is the capital of France?", (), "name the capital", " Paris"),)
     aliases = ("base", "generat", "answer", "llm")
 
     def _run(self, command):
@@ -272,8 +290,34 @@ class PythonCoder(Tool):
     card = ("Runs a Python program and returns what it prints. Best for exact arithmetic,\n"
             "counting and step-by-step calculation. Input: the calculation to do.\n"
             "Limits: standard library only, no internet, a few seconds of run time.")
+    found_as = "code printed"
     input_prefix, input_stops = "```python\n", ("```",)
-    example = ("What is 1234 * 56 + 7?", "compute the expression", "print(1234 * 56 + 7)\n```")
+    # The later examples copy a looked-up number into code: the second step of a question
+    # that needs a fact and then a calculation. Their passages hold two numbers, as the
+    # corpus's do, and their wordings are not the task suite's templates.
+    examples = (
+        ("What is 1234 * 56 + 7?", (), "compute the expression", "print(1234 * 56 + 7)\n```"),
+        ("Take the population of Orvel and multiply it by 5.",
+         (("Local_Search", "find the population of Orvel", "Orvel population",
+           "Orvel: Orvel is a harbour town on the Sel coast. Orvel was founded in 1702 and has a "
+           "population of 48213."),), "multiply the population by 5", "print(48213 * 5)\n```"),
+        ("What is the crew of the Vask multiplied by 6?",
+         (("Local_Search", "find the crew of the Vask", "Vask crew",
+           "Vask: The Vask is a cargo ship. It was launched in 1931 and carries a crew of 312."),),
+         "multiply the crew by 6", "print(312 * 6)\n```"),
+        ("Multiply the number of people working at Brandt by 8.",
+         (("Local_Search", "find the staff of Brandt", "Brandt staff",
+           "Brandt: Brandt is a shoe maker based in Holm. Brandt was founded in 1911 and has 2604 "
+           "employees."),), "multiply the staff by 8", "print(2604 * 8)\n```"),
+    )
+    check = Check("You check a question after a calculation. Did the question ask for a calculation?",
+                  "Calculation:", "Yes", (
+                      ("Work out 4521 * 33.", "149193", "Yes"),
+                      ("In which year was Tarvo founded?", "69111", "No"),
+                      ("Add 81 and 907.", "988", "Yes"),
+                      ("Which river runs through Dorn, and how many bridges cross it?", "0", "No"),
+                      ("Take the height of Kell in metres and multiply it by 4.", "8840", "Yes"),
+                      ("Who built the Orsk bridge?", "2", "No")))
     aliases = ("python", "code", "coder", "calculat", "comput")
 
     def __init__(self, cfg=None):
@@ -316,8 +360,23 @@ class LocalSearch(Tool):
     card = ("Searches a local document collection (offline) for facts about the people,\n"
             "places and things it covers. Input: a short keyword query.\n"
             "Returns the best-matching passages; knows nothing outside the collection.")
+    found_as = "a search found"
     input_prefix, input_stops = "Query:", ("\n",)
-    example = ("When was the town of Arvel founded?", "find when Arvel was founded", " Arvel founded")
+    examples = (("When was the town of Arvel founded?", (), "find when Arvel was founded", " Arvel founded"),)
+    # The order of the examples moves a 135M model's Yes/No balance; this one was measured
+    # best on stored training states and then checked on held-out ones (docs/LOG.md).
+    check = Check("You check a question after a search. Does answering it still need a calculation?",
+                  "Calculation:", "No", (
+                      ("Add 250 to the crew of the Pelk.", "Pelk: The Pelk is a ferry with a crew of 61.", "Yes"),
+                      ("In which year was Tarvo founded?", "Tarvo: Tarvo is a town founded in 1702.", "No"),
+                      ("Who built the Orsk bridge?", "Orsk: The Orsk bridge was built by Tam Vell in 1890.", "No"),
+                      ("Take the height of Kell in metres and multiply it by 4.",
+                       "Kell: Kell is a peak. Kell is 2210 metres high.", "Yes"),
+                      ("Work out 4521 * 33.", "no passage matches '4521 33'", "Yes"),
+                      ("Tell me the length of the Vell river in km.", "Vell: The Vell is a river 340 km long.", "No"),
+                      ("Divide the length of the Vell in km by 5.", "Vell: The Vell is a river 340 km long.", "Yes"),
+                      ("Which river runs through Dorn, and how many bridges cross it?",
+                       "Dorn: The Dorn is a river. It is crossed by 14 bridges.", "No")))
     aliases = ("local", "search", "retriev", "corpus", "lookup", "look up")
     cacheable = True
 
@@ -642,8 +701,9 @@ class WikipediaSearch(Tool):
     card = ("Searches Wikipedia and returns the opening paragraphs of the best-matching\n"
             "articles. Good for well-known people, places, events and terms.\n"
             "Input: a short query, ideally an article title.")
+    found_as = "a Wikipedia search found"
     input_prefix, input_stops = "Query:", ("\n",)
-    example = ("Who wrote Hamlet?", "find the author of Hamlet", " Hamlet")
+    examples = (("Who wrote Hamlet?", (), "find the author of Hamlet", " Hamlet"),)
     aliases = ("wiki",)
     cacheable = True
     # MediaWiki error codes that mean "not now" rather than "not this": retried like a 503.
@@ -687,8 +747,9 @@ class GoogleSearch(Tool):
     name = "Google_Search"
     card = ("Searches the web with Google; returns titles, short snippets and links.\n"
             "Good for specific or recent facts. Input: a short search query.")
+    found_as = "a web search found"
     input_prefix, input_stops = "Query:", ("\n",)
-    example = ("Who won the 2018 World Cup?", "find the 2018 winner", " 2018 World Cup winner")
+    examples = (("Who won the 2018 World Cup?", (), "find the 2018 winner", " 2018 World Cup winner"),)
     aliases = ("google",)
     cacheable = True
     PROVIDERS = ("serper", "cse")
@@ -773,9 +834,10 @@ class WebSearch(Tool):
     name = "Web_Search"
     card = ("Reads one web page and returns the passages most relevant to a question.\n"
             "Input: a URL and a question. Use it on a link another search returned.")
+    found_as = "a web page gave"
     input_prefix, input_stops = "Input:", ("\n",)
-    example = ("How tall is the tower on https://example.org/tower ?", "read the page about the tower",
-               " https://example.org/tower How tall is the tower?")
+    examples = (("How tall is the tower on https://example.org/tower ?", (), "read the page about the tower",
+                 " https://example.org/tower How tall is the tower?"),)
     aliases = ("web", "url", "browse")
     cacheable = True
     CHUNK_WORDS, CHUNK_STRIDE = 80, 60  # 80-word chunks overlapping by 20, so a fact is rarely split

@@ -262,7 +262,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     t3 = time.time()
 
     verdict_of = dict(zip(judged, verdicts))
-    lines = [json.dumps({"group": part.start + k // G, "task": mine[k // G].meta.get("task", ""),
+    lines = [json.dumps({"group": part.start + k // G, "id": mine[k // G].id, "task": mine[k // G].meta.get("task", ""),
                          "gold": mine[k // G].gold, "judge": verdict_of.get(k, {}).get("judge", ""),
                          "infra_failures": infra[k], **tr.to_dict()}) + "\n" for k, tr in enumerate(trajs)]
     lines = world.gather(lines)  # every rank's, in rank order: the groups in query order

@@ -130,3 +130,162 @@ def test_greedy_planner_evaluation_does_not_depend_on_the_seed(tiny_llm, tmp_pat
     assert planner_outputs(1, 0.0) == planner_outputs(2, 0.0)
     assert planner_outputs(1, None) != planner_outputs(2, None)
     assert agent.planner_params.temperature == 1.0  # evaluation did not change the agent
+
+
+# ----------------------------------------------------------------------------- verifier
+
+class _Answering:
+    """The frozen LLM with its verdict replaced: every verifier call answers `word`, and the
+    prompts and parameters it was asked with are kept."""
+
+    def __init__(self, llm, word):
+        self.llm, self.tok, self.word, self.calls = llm, llm.tok, word, []
+
+    def chat_ids(self, *a, **k):
+        return self.llm.chat_ids(*a, **k)
+
+    def sample(self, prompts, params, seed, **k):
+        from agentflow import Sample
+        self.calls.append(([self.tok.decode(p) for p in prompts], params))
+        tid = self.tok.encode(self.word, add_special_tokens=False)[0]
+        return [Sample([tid], [0.0], self.word, "length") for _ in prompts]
+
+
+def _after(tool, result, query, error=""):
+    from agentflow import Trajectory
+    from memory import Memory
+    tr = Trajectory(query, Memory(800, 300))
+    tr.memory.add("a sub-goal", tool, "a command", result, error)
+    return tr
+
+
+def test_verifier_asks_the_check_of_the_tool_that_ran(tiny_llm):
+    """After Local_Search the question is 'is a calculation still needed' (Yes = continue),
+    after Python_Coder 'did the question ask for a calculation' (Yes = stop); after a tool
+    without a Check, or a turn whose plan named no tool, the general STOP/CONTINUE prompt
+    over the whole memory. One batched call per kind of question, verdicts in row order."""
+    agent = make_agent(tiny_llm)
+    live = [_after("Local_Search", "Orsk: a town of 900 people.", "How many people live in Orsk?"),
+            _after("Python_Coder", "42", "Add 40 and 2."),
+            _after("Base_Generator", "Paris", "What is the capital of France?"),
+            _after("", "", "???", error="no known tool in the plan"),
+            _after("Local_Search", "Orsk: a town of 900 people.", "Double the population of Orsk.")]
+    for word, want in [(" Yes", [False, True, None, None, False]), (" No", [True, False, None, None, True])]:
+        agent.frozen = _Answering(tiny_llm, word)
+        stops = agent._verify(live, seed=5)
+        assert [s for s, w in zip(stops, want) if w is not None] == [w for w in want if w is not None]
+        calls = {tuple(p.first_tokens): prompts for prompts, p in agent.frozen.calls}
+        assert len(agent.frozen.calls) == 3  # Local_Search, Python_Coder, the general prompt
+        yes_no = (agent.yes_token, agent.no_token)
+        assert set(calls) == {yes_no, (agent.stop_token, agent.continue_token)}
+        general = calls[(agent.stop_token, agent.continue_token)]
+        assert len(general) == 2 and all("Reply STOP if" in g and "Conclusion:" in g for g in general)
+        assert "no known tool in the plan" in general[1]  # the whole memory, errors included
+        checks = [p for prompts, prm in agent.frozen.calls if prm.first_tokens == yes_no for p in prompts]
+        assert len(checks) == 3
+        search = [c for c in checks if "still need a calculation" in c]
+        assert len(search) == 2 and search[1].endswith(
+            "Found: Orsk: a town of 900 people.\nQuestion: Double the population of Orsk.<|im_end|>\n"
+            "<|im_start|>assistant\nCalculation:")
+        # Every worked example of the tool sits in the prompt, with its answer.
+        tool = agent.tools["Local_Search"]
+        assert all(f"Question: {q}\nCalculation: {a}" in search[0] for q, _, a in tool.check.examples)
+    # Each verdict is told apart by the first token of its word.
+    assert agent.yes_token != agent.no_token and agent.stop_token != agent.continue_token
+
+
+def test_shipped_checks_on_questions_in_new_wordings(default_model_path):
+    """The real frozen 135M verifier on questions worded unlike the task templates and the
+    checks' examples: a looked-up fact that answers the question stops, one that must still
+    be computed with continues; code stops an arithmetic question and continues a question
+    about a fact. A frozen model is imperfect, so the bar is 7 of each 8."""
+    from agentflow import LLM, load_model
+    model, tok = load_model(default_model_path)
+    agent = make_agent(LLM(model, tok))
+    p = "Brel: Brel is a fishing town on the Mard coast. Brel was founded in 1840 and has a population of 9120."
+    s = "Tova: The Tova is a ferry from the port of Lisk. The Tova was launched in 1961 and carries a crew of 58."
+    m = "Gant: Gant is a mountain in the Oss range. Gant is 3312 metres high and was first climbed in 1899."
+    answered = [("Local_Search", p, "Tell me how many inhabitants Brel has."),
+                ("Local_Search", p, "Which year saw the founding of Brel?"),
+                ("Local_Search", s, "How large is the crew of the Tova?"),
+                ("Local_Search", m, "What height does Gant reach, in metres?"),
+                ("Python_Coder", "1003", "Sum 412 and 591."),
+                ("Python_Coder", "4026", "Give the product of 61 and 66."),
+                ("Python_Coder", "17", "What do you get from 340 / 20?"),
+                ("Python_Coder", "29008", "Multiply the crew of the Tova (58) by 500.")]
+    open_ = [("Local_Search", p, "Take Brel's population times 3."),
+             ("Local_Search", s, "What is the Tova's crew multiplied by 11?"),
+             ("Local_Search", m, "Double the height of Gant in metres."),
+             ("Local_Search", "no passage matches '77 * 5'", "Find 77 * 5."),
+             ("Python_Coder", "9120", "Who founded the town of Brel?"),
+             ("Python_Coder", "3", "When was the ferry Tova launched?"),
+             ("Python_Coder", "0", "In which range is the mountain Gant?"),
+             ("Python_Coder", "1961", "How many crew does the Tova have?")]
+    stops = agent._verify([_after(*c[:2], c[2]) for c in answered + open_], seed=0)
+    assert sum(stops[:8]) >= 7, stops
+    assert sum(not s for s in stops[8:]) >= 7, stops
+
+
+# ----------------------------------------------------------------------------- executor
+
+def test_executor_examples_are_laid_out_like_its_prompts(tiny_llm):
+    """Every worked example of every tool, its earlier turns rendered by Memory exactly as a
+    real prompt's memory is, and the input after the tool's prefix."""
+    from memory import EMPTY
+    agent = make_agent(tiny_llm)
+    system = agent.executor_system
+    for tool in agent.tools.values():
+        for question, earlier, goal, text in tool.examples:
+            assert f"Question: {question}\nTool: {tool.name}\n{tool.input_prefix}{text}" in system
+            for turn, (name, sub_goal, command, result) in enumerate(earlier, 1):
+                assert (f"Known so far:\nTurn {turn}: {name} - {sub_goal}\n  Command: {command}\n"
+                        f"  Result: {result}") in system
+            if not earlier:
+                assert f"Sub-goal: {goal}\nKnown so far:\n{EMPTY}\nQuestion: {question}" in system
+
+
+def test_executor_copies_a_looked_up_number_into_code(default_model_path):
+    """The second step of a two-step question, on the real frozen 135M executor: the memory
+    holds a passage with two numbers, and the code must multiply the right one by the
+    question's factor. Wordings and passages unlike the worked examples. A frozen 135M model
+    is imperfect: the bar is half of them (with only the arithmetic example, 1 of 6)."""
+    from agentflow import LLM, Plan, load_model
+    model, tok = load_model(default_model_path)
+    agent = make_agent(LLM(model, tok), code_start="print(", **{"executor.max_new_tokens": 24})
+    cases = [("Brel: Brel is a fishing town on the Mard coast. Brel was founded in 1840 and has a population of 9120.",
+              "What is the population of Brel multiplied by 3?", 27360),
+             ("Tova: The Tova is a ferry from the port of Lisk. The Tova was launched in 1961 and carries a crew of 58.",
+              "What is 7 times the crew size of the ship Tova?", 406),
+             ("Gant: Gant is a mountain in the Oss range. Gant is 3312 metres high and was first climbed in 1899.",
+              "If you multiply the height of Gant in metres by 2, what do you get?", 6624),
+             ("Sarn: The Sarn is a river in the Holt lowlands. The Sarn is 412 km long and is crossed by 23 bridges.",
+              "What is the length of the Sarn river in km multiplied by 5?", 2060),
+             ("Kepo: Kepo is a glass maker based in Ust. Kepo was founded in 1903 and has 7710 employees.",
+              "What is 4 times the number of employees at Kepo?", 30840),
+             ("Ila Dern: Ila Dern is a poet born in Varn. Ila Dern was born in 1921 and wrote 36 books.",
+              "What is the number of books written by Ila Dern multiplied by 6?", 216)]
+    live = [_after("Local_Search", passage, q) for passage, q, _ in cases]
+    plans = [Plan("Python_Coder", "compute the answer", "") for _ in cases]
+    commands = agent._execute(live, plans, list(range(len(cases))), turn=2, seed=0)
+    outputs = [agent.tools["Python_Coder"].run(commands[i]).output.strip() for i in range(len(cases))]
+    right = [out == str(want) for out, (_, _, want) in zip(outputs, cases)]
+    assert sum(right) >= 3, list(zip(commands.values(), outputs))
+
+
+def test_planner_reads_the_memory_as_what_each_step_found(tiny_llm):
+    """The planner's state M^t: one line per earlier turn, named by what its tool does, never
+    by the tool's name (a small planner copies a name it has just read); errors included."""
+    agent = make_agent(tiny_llm, max_turns=2)
+    tr = _after("Local_Search", "Orsk: a town of 900 people.", "Double the population of Orsk.")
+    tr.memory.add("compute", "Python_Coder", "print(900 * 2)", "", "line 1: NameError: name 'x' is not defined")
+    tr.memory.add("?", "", "", "", "no known tool in the plan")
+    assert agent._found(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
+                                       "- code printed: line 1: NameError: name 'x' is not defined\n"
+                                       "- a step without a tool gave: no known tool in the plan")
+    assert agent._found(_after("Local_Search", "", "q").memory.__class__(800, 300)) == "- nothing yet"
+    agent.stop_token, agent.check_system = -1, {}  # the verifier never stops: two turns
+    trajs = agent.rollout(["Compute 48213 * 9127."], seed=1)
+    second = tiny_llm.tok.decode(trajs[0].turns[1].prompt_ids)
+    assert "What the earlier steps found:\n- " in second and "Step 2 of at most 2." in second
+    found = second.split("What the earlier steps found:")[1]  # the tool cards above name every tool
+    assert not any(name in found for name in NAMES)

@@ -147,13 +147,14 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     assert cfg["model"]["dtype"] == "bfloat16" and not cfg["agent"]["constrain_tool"]
     assert cfg["judge"]["llm"] and not cfg["judge"]["base_url"]  # the frozen engine judges
 
-    # Three turns: the frozen verifier never says STOP (its verdict token is compared with one
-    # that cannot be drawn), so every trajectory runs to max_turns.
+    # Three turns: the frozen verifier never says STOP (no tool's Check is asked, and the
+    # general verdict token is compared with one that cannot be drawn), so every trajectory
+    # runs to max_turns.
     real_init = agentflow.AgentSystem.__init__
 
     def never_stop(self, *a, **k):
         real_init(self, *a, **k)
-        self.stop_token = -1
+        self.stop_token, self.check_system = -1, {}
 
     monkeypatch.setattr(agentflow.AgentSystem, "__init__", never_stop)
     # A random planner never names a tool; where it names none, take the toolset in turn,

@@ -115,7 +115,7 @@ def test_build_tools_and_cards():
         build_tools(["Python_Coder"], {"pyton_timeout_s": 3})
     for cls in tools.TOOL_CLASSES.values():  # a 135M model reads every card in every prompt
         assert 2 <= len(cls.card.splitlines()) <= 4 and len(cls.card) <= 300
-        assert cls.input_prefix and cls.input_stops and cls.example and cls.aliases  # agentflow.py's prompts
+        assert cls.input_prefix and cls.input_stops and cls.examples and cls.aliases  # agentflow.py's prompts
 
 
 def test_base_generator():

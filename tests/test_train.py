@@ -380,3 +380,66 @@ def test_out_of_memory_in_the_held_out_evaluation_stops_the_run(tiny_model_dir, 
     assert "memory plan:" in err  # the plan, printed with the error
     results = tmp_path / "run" / "eval" / "step_0" / "results.jsonl"
     assert not results.exists() or "crashed" not in results.read_text()
+
+
+def test_a_two_turn_trajectory_trains_both_planner_turns_with_its_advantage(tiny_model_dir, tmp_path,
+                                                                             learnable_reward, monkeypatch):
+    """The reward broadcast of Flow-GRPO end to end: every trajectory runs two turns (search,
+    then code; the verifier never stops it), and the update receives two rows per trajectory,
+    the ids each planner turn sampled, both with the trajectory's group advantage A_i and the
+    weight 1/(N * T_i) = 1/(N * 2)."""
+    import agentflow
+    from flow_grpo import group_advantages
+    real_init = agentflow.AgentSystem.__init__
+
+    def never_stop(self, *a, **k):
+        real_init(self, *a, **k)
+        self.stop_token, self.check_system = -1, {}
+
+    monkeypatch.setattr(agentflow.AgentSystem, "__init__", never_stop)
+    seen = {}
+    real_update = train.policy_update
+
+    def recording_update(model, ref, optimizer, rows, *a, **k):
+        seen["rows"] = rows
+        return real_update(model, ref, optimizer, rows, *a, **k)
+
+    monkeypatch.setattr(train, "policy_update", recording_update)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1", "train.eval_before_after=false",
+                   "agent.force_tool='Local_Search,Python_Coder'", "train.queries_per_step=3")
+    run(cfg)
+    trajs = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    assert all(t["tools"] == ["Local_Search", "Python_Coder"] for t in trajs)
+    rewards = [t["reward"] for t in trajs]
+    adv = group_advantages(rewards, 2)
+    assert any(a != 0 for a in adv), "the test reward must give a signal"
+    rows, N = seen["rows"], len(trajs)
+    assert len(rows) == 2 * N
+    for i, t in enumerate(trajs):
+        first, second = rows[2 * i], rows[2 * i + 1]
+        assert [len(first.action_ids), len(second.action_ids)] == [e["tokens"] for e in t["log"]
+                                                                   if e["module"] == "planner"]
+        assert first.prompt_ids != second.prompt_ids  # turn 2's state holds turn 1's record
+        assert first.advantage == second.advantage == pytest.approx(adv[i]) == pytest.approx(t["advantage"])
+        assert first.weight == second.weight == pytest.approx(1 / (N * 2))
+
+
+def test_eval_sweeps_the_turn_budget_for_frozen_and_trained(tiny_model_dir, tmp_path, capsys):
+    """eval.py --sweep 1,2 --model CK: each planner at each budget, the table printed and
+    OUT_DIR/turn_sweep.json written (the report reads it). Given the frozen weights as the
+    'trained' checkpoint, both rows must agree item for item; no trajectory runs past its budget."""
+    out = tmp_path / "run"
+    args = ["--benchmark", str(ROOT / "data" / "heldout.jsonl"), "--config", str(ROOT / "config.yaml"),
+            "--limit", "3", "--sweep", "1,2", "--model", tiny_model_dir, f"model.name={tiny_model_dir}",
+            "model.device=cpu", f"out_dir={out}", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}",
+            "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.planner.max_new_tokens=6"]
+    assert evaluation.main(args) == 0
+    sweep = json.loads((out / "turn_sweep.json").read_text())
+    assert sweep["budgets"] == [1, 2]
+    (frozen, f), (trained, t) = sweep["planners"].items()
+    assert frozen == "frozen" and trained.startswith("trained")
+    assert f == t  # the same weights: the same table
+    assert f["1"]["mean_turns"] == 1.0 and 1.0 <= f["2"]["mean_turns"] <= 2.0
+    assert all(f[b]["n"] == 3 and set(f[b]["by_kind"]) <= {"arithmetic", "lookup", "two_step"} for b in "12")
+    table = capsys.readouterr().out
+    assert "mean turns" in table and table.count("\nfrozen") == 2
