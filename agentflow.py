@@ -577,8 +577,10 @@ class AgentSystem:
         self.forced_params = [replace(cfg.planner, first_tokens=(first_token[n],)) for n in forced]
         # The verifier's verdict is the first token of its reply, forced to one of two
         # words (greedy: whichever the frozen model finds likelier). After a tool with a
-        # Check (tools.py) it answers that tool's question with " Yes" or " No"; after any
-        # other tool, or a turn without one, the general question with " STOP" or " CONTINUE".
+        # Check (tools.py: Local_Search) it answers that tool's question with " Yes" or
+        # " No"; after any other tool, or a turn without one, the general question with
+        # " STOP" or " CONTINUE". (A check after code, "did the question ask for a
+        # calculation?", was measured too: docs/LOG.md says why it is not shipped.)
         word = lambda w: frozen.tok.encode(w, add_special_tokens=False)[0]
         self.stop_token, self.continue_token = word(" STOP"), word(" CONTINUE")
         self.yes_token, self.no_token = word(" Yes"), word(" No")

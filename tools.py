@@ -190,8 +190,8 @@ class Check:
     """The verifier's question after a tool ran, answered by the frozen LLM with one forced
     " Yes" or " No". A 135M model cannot weigh the question against the whole memory, but it
     tells apart questions that ask for a calculation from those that do not (docs/LOG.md), so
-    each tool asks the one thing its result leaves open: after a search, is a calculation
-    still needed; after code, was a calculation what the question asked for."""
+    a tool asks the one thing its result leaves open: after a search, whether a calculation
+    is still needed."""
     question: str  # the verifier's instruction, above the examples
     label: str  # the reply is forced to start here, in the examples and in the prompt
     stop_if: str  # "Yes" or "No": the answer that ends the trajectory
@@ -310,14 +310,6 @@ class PythonCoder(Tool):
            "Brandt: Brandt is a shoe maker based in Holm. Brandt was founded in 1911 and has 2604 "
            "employees."),), "multiply the staff by 8", "print(2604 * 8)\n```"),
     )
-    check = Check("You check a question after a calculation. Did the question ask for a calculation?",
-                  "Calculation:", "Yes", (
-                      ("Work out 4521 * 33.", "149193", "Yes"),
-                      ("In which year was Tarvo founded?", "69111", "No"),
-                      ("Add 81 and 907.", "988", "Yes"),
-                      ("Which river runs through Dorn, and how many bridges cross it?", "0", "No"),
-                      ("Take the height of Kell in metres and multiply it by 4.", "8840", "Yes"),
-                      ("Who built the Orsk bridge?", "2", "No")))
     aliases = ("python", "code", "coder", "calculat", "comput")
 
     def __init__(self, cfg=None):

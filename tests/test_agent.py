@@ -160,45 +160,43 @@ def _after(tool, result, query, error=""):
 
 
 def test_verifier_asks_the_check_of_the_tool_that_ran(tiny_llm):
-    """After Local_Search the question is 'is a calculation still needed' (Yes = continue),
-    after Python_Coder 'did the question ask for a calculation' (Yes = stop); after a tool
-    without a Check, or a turn whose plan named no tool, the general STOP/CONTINUE prompt
-    over the whole memory. One batched call per kind of question, verdicts in row order."""
+    """After Local_Search the question is 'is a calculation still needed' (Yes = continue);
+    after a tool without a Check, or a turn whose plan named no tool, the general
+    STOP/CONTINUE prompt over the whole memory. One batched call per kind of question,
+    the verdicts back in row order."""
     agent = make_agent(tiny_llm)
     live = [_after("Local_Search", "Orsk: a town of 900 people.", "How many people live in Orsk?"),
             _after("Python_Coder", "42", "Add 40 and 2."),
-            _after("Base_Generator", "Paris", "What is the capital of France?"),
             _after("", "", "???", error="no known tool in the plan"),
             _after("Local_Search", "Orsk: a town of 900 people.", "Double the population of Orsk.")]
-    for word, want in [(" Yes", [False, True, None, None, False]), (" No", [True, False, None, None, True])]:
+    check = (agent.yes_token, agent.no_token)
+    general = (agent.stop_token, agent.continue_token)
+    for word, want in [(" Yes", [False, None, None, False]), (" No", [True, None, None, True]),
+                       (" STOP", [None, True, True, None]), (" CONTINUE", [None, False, False, None])]:
         agent.frozen = _Answering(tiny_llm, word)
         stops = agent._verify(live, seed=5)
         assert [s for s, w in zip(stops, want) if w is not None] == [w for w in want if w is not None]
         calls = {tuple(p.first_tokens): prompts for prompts, p in agent.frozen.calls}
-        assert len(agent.frozen.calls) == 3  # Local_Search, Python_Coder, the general prompt
-        yes_no = (agent.yes_token, agent.no_token)
-        assert set(calls) == {yes_no, (agent.stop_token, agent.continue_token)}
-        general = calls[(agent.stop_token, agent.continue_token)]
-        assert len(general) == 2 and all("Reply STOP if" in g and "Conclusion:" in g for g in general)
-        assert "no known tool in the plan" in general[1]  # the whole memory, errors included
-        checks = [p for prompts, prm in agent.frozen.calls if prm.first_tokens == yes_no for p in prompts]
-        assert len(checks) == 3
-        search = [c for c in checks if "still need a calculation" in c]
-        assert len(search) == 2 and search[1].endswith(
-            "Found: Orsk: a town of 900 people.\nQuestion: Double the population of Orsk.<|im_end|>\n"
-            "<|im_start|>assistant\nCalculation:")
-        # Every worked example of the tool sits in the prompt, with its answer.
-        tool = agent.tools["Local_Search"]
-        assert all(f"Question: {q}\nCalculation: {a}" in search[0] for q, _, a in tool.check.examples)
+        assert len(agent.frozen.calls) == 2 and set(calls) == {check, general}
+        assert len(calls[general]) == 2 and all("Reply STOP if" in g and "Conclusion:" in g for g in calls[general])
+        assert "no known tool in the plan" in calls[general][1]  # the whole memory, errors included
+        search = calls[check]
+        assert len(search) == 2 and all("still need a calculation" in c for c in search)
+        assert search[1].endswith("Found: Orsk: a town of 900 people.\nQuestion: Double the population of Orsk."
+                                  "<|im_end|>\n<|im_start|>assistant\nCalculation:")
+        # Every worked example of the check sits in the prompt, with its answer.
+        examples = agent.tools["Local_Search"].check.examples
+        assert all(f"Found: {r}\nQuestion: {q}\nCalculation: {a}" in search[0] for q, r, a in examples)
     # Each verdict is told apart by the first token of its word.
     assert agent.yes_token != agent.no_token and agent.stop_token != agent.continue_token
 
 
-def test_shipped_checks_on_questions_in_new_wordings(default_model_path):
-    """The real frozen 135M verifier on questions worded unlike the task templates and the
-    checks' examples: a looked-up fact that answers the question stops, one that must still
-    be computed with continues; code stops an arithmetic question and continues a question
-    about a fact. A frozen model is imperfect, so the bar is 7 of each 8."""
+def test_shipped_check_on_questions_in_new_wordings(default_model_path):
+    """The real frozen 135M verifier after a search, on questions worded unlike the task
+    templates and the check's examples: a looked-up fact that answers the question stops,
+    one that must still be computed with continues, a failed search continues; and the
+    general prompt stops after code on an arithmetic question. A frozen model is
+    imperfect: the bar is 5 of 6 (4 of 6 for the questions that continue)."""
     from agentflow import LLM, load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok))
@@ -209,21 +207,21 @@ def test_shipped_checks_on_questions_in_new_wordings(default_model_path):
                 ("Local_Search", p, "Which year saw the founding of Brel?"),
                 ("Local_Search", s, "How large is the crew of the Tova?"),
                 ("Local_Search", m, "What height does Gant reach, in metres?"),
-                ("Python_Coder", "1003", "Sum 412 and 591."),
-                ("Python_Coder", "4026", "Give the product of 61 and 66."),
-                ("Python_Coder", "17", "What do you get from 340 / 20?"),
-                ("Python_Coder", "29008", "Multiply the crew of the Tova (58) by 500.")]
+                ("Local_Search", s, "In which port is the Tova based?"),
+                ("Local_Search", m, "When did climbers first reach the top of Gant?")]
     open_ = [("Local_Search", p, "Take Brel's population times 3."),
              ("Local_Search", s, "What is the Tova's crew multiplied by 11?"),
              ("Local_Search", m, "Double the height of Gant in metres."),
              ("Local_Search", "no passage matches '77 * 5'", "Find 77 * 5."),
-             ("Python_Coder", "9120", "Who founded the town of Brel?"),
-             ("Python_Coder", "3", "When was the ferry Tova launched?"),
-             ("Python_Coder", "0", "In which range is the mountain Gant?"),
-             ("Python_Coder", "1961", "How many crew does the Tova have?")]
-    stops = agent._verify([_after(*c[:2], c[2]) for c in answered + open_], seed=0)
-    assert sum(stops[:8]) >= 7, stops
-    assert sum(not s for s in stops[8:]) >= 7, stops
+             ("Local_Search", p, "If Brel's population grew by 500, how many people would live there?"),
+             ("Local_Search", "no passage matches '4410 2'", "Halve 4410.")]
+    code = [("Python_Coder", "1003", "Sum 412 and 591."), ("Python_Coder", "4026", "Give the product of 61 and 66."),
+            ("Python_Coder", "17", "What do you get from 340 / 20?"), ("Python_Coder", "880", "Work out 44 * 20."),
+            ("Python_Coder", "99", "Subtract 1 from 100."), ("Python_Coder", "35", "Compute 5 * 7.")]
+    stops = agent._verify([_after(*c[:2], c[2]) for c in answered + open_ + code], seed=0)
+    assert sum(stops[:6]) >= 5, stops
+    assert sum(not s for s in stops[6:12]) >= 4, stops
+    assert sum(stops[12:]) >= 5, stops
 
 
 # ----------------------------------------------------------------------------- executor
