@@ -40,7 +40,9 @@ BF16 = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "tr
 LONE = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=1",
         f"train.group_size={G}")  # rank 0 has no query: it still sums (zeros) and steps
 INFRA = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=4",
-         "train.group_size=3", "agent.force_tool=Local_Search")  # with flaky(): groups lose rollouts, or all
+         "train.group_size=3", "agent.force_tool=Local_Search",  # with flaky(): groups lose rollouts, or all
+         # a sampled executor, so that the rollouts of a group search for different commands
+         "agent.executor.temperature=1.0", "agent.max_turns=1")
 RESUME = ("train.save_every=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=3")
 # Two ranks sum the gradient in another order than one process (per rank, then across),
 # so gradients agree to float rounding, not to the bit. AdamW divides each gradient by its
