@@ -24,9 +24,12 @@ What this file adds to that picture, and why:
   * Explicit sampling parameters, the same on both sides of the loss (the official code
     silently samples at 0.7 with a frequency penalty while training on raw log-probs).
 
-Simplifications: the planner's action is two short lines ("Tool: ...", "Sub-goal: ...");
-the executor's prompt depends on the chosen tool; prompts are written for small models
-(tool cards and memory are the bulk, so both are kept tight).
+Simplifications: the planner's action is two short lines ("Tool: ...", "Sub-goal: ...";
+the offline default keeps only the first, config.yaml says why); the executor's prompt
+depends on the chosen tool; after a tool with a Check (tools.py) the verifier reads that
+tool's output and the question, V(q, e^t), not the whole memory, because a 135M model
+answers that narrower question and not the general one; prompts are written for small
+models (tool cards and memory are the bulk, so both are kept tight).
 """
 
 import copy
@@ -674,18 +677,17 @@ class AgentSystem:
     def _verify(self, live, seed) -> list[bool]:
         """v^t for each live trajectory: True = stop. After a tool with a Check the frozen model
         answers that tool's question about the question and the tool's output e^t; otherwise
-        the general question about the whole memory."""
+        the general question about the whole memory. One batched call per kind of question."""
         stops = [False] * len(live)
-        by_check: dict[str, list[int]] = {}
+        rows_of: dict[str, list[int]] = {}  # the Check's tool, or "" for the general question
         for i, tr in enumerate(live):
-            by_check.setdefault(tr.memory.records[-1].tool if tr.memory.records[-1].tool in self.check_system
-                                else "", []).append(i)
-        for tool, rows in by_check.items():
+            tool = tr.memory.records[-1].tool
+            rows_of.setdefault(tool if tool in self.check_system else "", []).append(i)
+        for tool, rows in rows_of.items():
             if tool:
-                check = self.tools[tool].check
+                check, last = self.tools[tool].check, [live[i].memory.records[-1] for i in rows]
                 prompts = [self.frozen.chat_ids(self.check_system[tool], CHECK_USER.format(
-                    result=live[i].memory.records[-1].result or live[i].memory.records[-1].error,
-                    query=live[i].query), check.label) for i in rows]
+                    result=r.result or r.error, query=live[i].query), check.label) for i, r in zip(rows, last)]
                 stop_token = self.yes_token if check.stop_if == "Yes" else self.no_token
                 params = self.check_params
             else:
