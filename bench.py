@@ -16,12 +16,13 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      >= 150 tokens/s at b64. Then the sampler once more with one of its parts swapped
      for the generic one, to show what each part saves: the model's own forward for
      each new token instead of the decode way speedups.choose_decode measured fastest
-     on this machine (b32); the whole plain path of agentflow.py (b32); the prompts prefilled as
-     one left-padded batch instead of in groups of similar length (b32, prefill only);
-     torch.multinomial instead of the inverse-CDF speedups.draw (b64); the lm_head as
-     one product instead of blocks of speedups.ROW_BLOCK output rows (b64); every
-     row running its whole prompt instead of families sharing their system prompt
-     (b64); Hugging Face's DynamicCache instead of the in-place cache (b64).
+     on this machine (b32); the whole plain path of agentflow.py (b32); the prompts
+     prefilled as one left-padded batch instead of in groups of similar length (b32,
+     prefill only); torch.multinomial instead of the inverse-CDF speedups.draw (b64);
+     every row running its whole prompt instead of families sharing their system
+     prompt (b64); each new position concatenated onto the cache, as Hugging Face's
+     DynamicLayer does, instead of written in place (b64). Each swap is timed in
+     turns with the sampler as shipped, the fastest of three calls each.
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
      planner's instructions with six tool cards), with the sampler's shared-prefix path
      on and off. Target: >= 5x.
@@ -48,7 +49,7 @@ import time
 from unittest.mock import patch
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 import agentflow
 import speedups
@@ -77,6 +78,7 @@ SYSTEMS = [
 
 
 def header(args) -> None:
+    print(f"# cpu {speedups.cpu_name()}")
     print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"device {args.device}, dtype {args.dtype}")
     print(f"# load average (1, 5, 15 min) at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
@@ -143,53 +145,77 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         out[f"sampler_vs_generate_b{B}"] = t_hf / t_ours
         for k in ("sampler_tokens_per_s", "generate_tokens_per_s", "sampler_vs_generate"):
             show(f"{k}_b{B}", out[f"{k}_b{B}"])
-    # The same sampler with each new token run through the model's own forward (the plain
-    # decode) instead of the way speedups.choose_decode measured fastest here. b32.
+    # Then the sampler with one of its parts swapped for the generic one. Each swap is
+    # timed in turns with the sampler as shipped (versus), so a slow spell of the
+    # machine hits both sides of a ratio.
     B = 32
     print(f"# decode way chosen for this machine: {getattr(no_eos.decode, '__name__', no_eos.decode)}")
-    chosen, no_eos.decode = no_eos.decode, agentflow.decode
-    t_hf_fwd = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    no_eos.decode = chosen
-    show(f"sampler_hf_forward_tokens_per_s_b{B}", B * NEW / t_hf_fwd)
-    show(f"decode_step_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_hf_fwd))
+    run_b32 = lambda: no_eos.sample(prompts[:B], params, seed=B)
+    # The model's own forward for each new token (the plain decode) instead of the way
+    # speedups.choose_decode measured fastest here. b32.
+    swapped(device, "decode_step", "sampler_hf_forward", B, run_b32,
+            lambda: patch.object(no_eos, "decode", agentflow.decode))
     # The whole plain path of agentflow.py (LLM(fast=False): common prefix once, one padded
     # batch, the model's own forward, torch.multinomial) against the default fast path.
-    plain = copy.copy(no_eos)
-    plain.fast, plain.decode = False, agentflow.decode
-    t_plain = clock(device, lambda: plain.sample(prompts[:B], params, seed=B), REPEAT)
-    show(f"sampler_plain_path_tokens_per_s_b{B}", B * NEW / t_plain)
-    show(f"fast_path_speedup_b{B}", t_plain / (B * NEW / out[f"sampler_tokens_per_s_b{B}"]))
+    swapped(device, "fast_path", "sampler_plain_path", B, run_b32,
+            lambda: patch.multiple(no_eos, fast=False, decode=agentflow.decode))
     # Prefill in groups of similar length (speedups.length_groups) vs one left-padded
     # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
-    with patch.object(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))]):
-        t_one = clock(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), REPEAT)
+    t_groups, t_one = versus(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)),
+                             lambda: patch.object(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))]))
     show("prefill_one_batch_s_b32", t_one)
-    show("prefill_groups_speedup_b32", t_one / out["prefill_s_b32"])
-    # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
-    # inverse-CDF speedups.draw (one uniform per row). Same sampler, b64.
+    show("prefill_groups_speedup_b32", t_one / t_groups)
     B = max(BATCHES)
-    with patch.object(speedups, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]):
-        t_mult = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    show(f"sampler_multinomial_tokens_per_s_b{B}", B * NEW / t_mult)
-    show(f"draw_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_mult))
-    # The vocabulary projection as one [V, h] x [h, b] product instead of blocks of
-    # ROW_BLOCK output rows (speedups._linear_wx): the same numbers, b64.
-    with patch.object(speedups, "ROW_BLOCK", 10 ** 9):
-        t_head = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    show(f"sampler_lm_head_one_product_tokens_per_s_b{B}", B * NEW / t_head)
-    show(f"lm_head_blocks_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_head))
+    run_b64 = lambda: no_eos.sample(prompts[:B], params, seed=B)
+    # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
+    # inverse-CDF speedups.draw (one uniform per row). b64.
+    swapped(device, "draw", "sampler_multinomial", B, run_b64, lambda: patch.object(
+        speedups, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]))
     # Each row runs its whole prompt: no families (speedups.shared_families). b64.
-    with patch.object(speedups, "shared_families", lambda seqs, shareable, P: []):
-        t_fam = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    show(f"sampler_no_families_tokens_per_s_b{B}", B * NEW / t_fam)
-    show(f"families_speedup_b{B}", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_fam))
-    # The sampler's cache grows in place (speedups.RoomyLayer); Hugging Face's DynamicCache
+    swapped(device, "families", "sampler_no_families", B, run_b64,
+            lambda: patch.object(speedups, "shared_families", lambda seqs, shareable, P: []))
+    # The sampler's cache grows in place (speedups.RoomyLayer); Hugging Face's DynamicLayer
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
-    with patch.object(speedups, "roomy_cache", DynamicCache):
-        t_dyn = clock(device, lambda: no_eos.sample(prompts[:B], params, seed=B), REPEAT)
-    show(f"sampler_tokens_per_s_b{B}_dynamic_cache", B * NEW / t_dyn)
-    show("kv_cache_in_place_speedup_b64", out[f"sampler_tokens_per_s_b{B}"] / (B * NEW / t_dyn))
+    swapped(device, "kv_cache_in_place", "sampler_concat_cache", B, run_b64,
+            lambda: patch.object(speedups, "roomy_cache", concat_cache))
     return out
+
+
+def versus(device: str, fn, swap, repeat: int = 3) -> tuple[float, float]:
+    """(seconds of fn as shipped, seconds of fn with the patch `swap()` in force), the
+    fastest of `repeat` calls each, taken in turns."""
+    ours, swapped_ = [], []
+    for _ in range(repeat):
+        ours.append(clock(device, fn))
+        with swap():
+            swapped_.append(clock(device, fn))
+    return min(ours), min(swapped_)
+
+
+def swapped(device: str, part: str, generic: str, B: int, fn, swap) -> None:
+    """Print the generic part's tokens/s and what the shipped part brings over it."""
+    t_ours, t_generic = versus(device, fn, swap)
+    show(f"{generic}_tokens_per_s_b{B}", B * NEW / t_generic)
+    show(f"{part}_speedup_b{B}", t_generic / t_ours)
+
+
+class ConcatLayer(speedups.RoomyLayer):
+    """The in-place cache's prefill, then each new position appended the way Hugging
+    Face's DynamicLayer appends it: torch.cat of the whole cache and the new keys."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.k_buf is None:  # the prefill, laid out as the sampler lays it out
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.k_buf = torch.cat([self.keys, key_states], dim=-2)  # [b, H, n+s, D], a new tensor
+        self.v_buf = torch.cat([self.values, value_states], dim=-2)
+        self.length = self.k_buf.shape[-2]
+        self._views()
+        return self.keys, self.values
+
+
+def concat_cache(capacity: int = 0, rows: int = 0) -> Cache:
+    """speedups.roomy_cache's stand-in with ConcatLayer layers (the planned room unused)."""
+    return Cache(layer_class_to_replicate=ConcatLayer)
 
 
 def replace_new(params: SamplingParams, new: int) -> SamplingParams:

@@ -680,30 +680,15 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     return mm(dec.norm(x), model.lm_head)  # [b, V]
 
 
-# Output rows of W per product in _linear_wx on a CPU. A vocabulary projection in one
-# product writes a [V, b] result far bigger than the CPU's cache before transposing it;
-# in blocks, each block's [1024, b] output stays in cache while it is transposed into
-# place. The same numbers bit for bit: a block is the same dot products. A GPU gains
-# nothing from it (and would pay ~150 small launches a step): one product there.
-ROW_BLOCK = 1024
-
-
 def decode_step_xw(model, tok, pos, mask, cache) -> torch.Tensor:
     """decode_step with every linear as nn.Linear computes it, x @ W^T."""
     return decode_step(model, tok, pos, mask, cache, linear=lambda x, lin: lin(x))
 
 
 def _linear_wx(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-    """lin(x) for x [b, in] -> [b, out], computed as (W [out, in] @ x^T [in, b])^T,
-    by blocks of ROW_BLOCK output features when there are many (the lm_head)."""
-    W = lin.weight  # [out, in]
-    if W.shape[0] <= 4 * ROW_BLOCK or W.device.type != "cpu":
-        y = torch.mm(W, x.t()).t()  # [b, out], a transposed view
-        return (y + lin.bias if lin.bias is not None else y).contiguous()
-    y = x.new_empty(x.shape[0], W.shape[0])  # [b, out]
-    for i in range(0, W.shape[0], ROW_BLOCK):
-        y[:, i:i + ROW_BLOCK] = torch.mm(W[i:i + ROW_BLOCK], x.t()).t()  # [b, block] <- [block, b]^T
-    return y + lin.bias if lin.bias is not None else y
+    """lin(x) for x [b, in] -> [b, out], computed as (W [out, in] @ x^T [in, b])^T."""
+    y = torch.mm(lin.weight, x.t()).t()  # [b, out], a transposed view
+    return (y + lin.bias if lin.bias is not None else y).contiguous()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,22 @@ def test_plain_path_equals_fast_path(tiny_llm):
     assert [s.ids for s in plain.sample(prompts, hot, seed=3)] == [s.ids for s in plain.sample(prompts, hot, seed=3)]
 
 
+def test_bench_concat_cache_samples_what_the_in_place_cache_samples(tiny_llm):
+    """bench.py's kv_cache_in_place_speedup compares equal work: with each new position
+    concatenated onto the cache (bench.ConcatLayer), the sampler draws the same tokens."""
+    from unittest.mock import patch
+
+    import bench
+    import speedups
+    prompts = prompts_for(tiny_llm) * 2
+    hot = SamplingParams(1.0, max_new_tokens=9)
+    ours = tiny_llm.sample(prompts, hot, seed=5)
+    with patch.object(speedups, "roomy_cache", bench.concat_cache):
+        theirs = tiny_llm.sample(prompts, hot, seed=5)
+    assert [s.ids for s in ours] == [s.ids for s in theirs]
+    assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
 def test_stop_rules(tiny_llm):
     prompts = prompts_for(tiny_llm)
     free = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=12))
@@ -213,13 +229,13 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
 
 
 @pytest.mark.parametrize("b", [1, 3, 64])
-def test_linear_in_row_blocks_equals_nn_linear(b):
-    """decode_step's _linear_wx (W @ x^T, by blocks of output rows for a wide layer such as
-    the lm_head) against nn.Linear, with a bias and a last block that is not full."""
-    from speedups import ROW_BLOCK, _linear_wx
+def test_linear_wx_equals_nn_linear(b):
+    """decode_step's _linear_wx (W @ x^T) against nn.Linear, with a bias, for a narrow
+    layer and one as wide as a vocabulary projection."""
+    from speedups import _linear_wx
 
     torch.manual_seed(0)
-    for out in (40, 5 * ROW_BLOCK + 7):  # one product; blocks
+    for out in (40, 5127):
         lin = torch.nn.Linear(24, out)
         x = torch.randn(b, 24)
         with torch.no_grad():
