@@ -60,7 +60,7 @@ from eval import build_agent
 from tools import TOOL_CLASSES, build_tools
 
 NEW = 64  # new tokens per row in the throughput comparison
-REPEAT = 2  # parts 1 and 2 time each call twice and keep the faster (rollouts: once)
+REPEAT = 2  # parts 1 and 2 time each call twice and keep the faster (swaps: three in turns; rollouts: once)
 BATCHES = (1, 8, 32, 64)
 
 # Chat prompts of different lengths for the throughput comparison. The system prompts
