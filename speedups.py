@@ -355,12 +355,17 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
         _run_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, fam, 1, hidden)  # [F, H, P+Lq, D] a layer
         none = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, Lq))  # [1, H, P+Lq, D]: the prefix, then zeros
         pre_kv = [(torch.cat([l.keys, none(l.keys)]), torch.cat([l.values, none(l.values)])) for l in fam.layers]
+    # Rows of one family read the same entry. k[idx] with repeated indices would do, but on
+    # a CPU with more than one thread its backward sums those rows' gradients with atomic
+    # float adds, in whatever order the threads get there: the same step then gave other
+    # weights in the 7th digit from run to run (docs/LOG.md). stack's backward hands each
+    # row its own slice, and autograd adds the slices of one entry in a fixed order.
+    pre_kv = [(k.unbind(0), v.unbind(0)) for k, v in pre_kv]  # per layer: F+1 entries [H, P+Lq, D]
     logits = []
     for rows in groups:
-        idx = torch.tensor([fam_of[r] for r in rows], device=dev)  # [c] each row's entry in pre_kv
         sub = DynamicCache()
         for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached: [c, H, P+Lq, D]
-            sub.update(k[idx], v[idx], i)
+            sub.update(torch.stack([k[fam_of[r]] for r in rows]), torch.stack([v[fam_of[r]] for r in rows]), i)
         part, _ = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
                             logits_to_keep, hidden)  # [c, k<=keep, V]
         logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]

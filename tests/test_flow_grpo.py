@@ -139,6 +139,37 @@ def test_zero_variance_groups_give_zero_policy_gradient(policy):
     assert all(float(g.abs().max()) == 0.0 for g in grads(llm.model))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_gradient_is_bit_exact_run_to_run(policy, dtype):
+    """The G actions sampled from one planner state share its keys and values in the fast
+    path, so that entry's gradient is a sum over rows. With two threads, the same backward
+    three times must give the same gradients bit for bit (reading the entry with repeated
+    indices, k[idx], did not: its backward adds with atomic float adds, in thread order)."""
+    llm, _ = policy
+    model = llm.model.to(dtype)
+    rng = random.Random(0)
+    system = [rng.randrange(100, 20000) for _ in range(300)]  # long enough for the threaded kernels
+    rows = [TurnRow(prompt, [rng.randrange(100, 20000) for _ in range(rng.randint(2, 6))], [], rng.choice([-1.0, 1.0]),
+                    1 / 16)
+            for prompt in (system + [rng.randrange(100, 20000) for _ in range(rng.randint(5, 40))] for _ in range(4))
+            for _ in range(4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            logp, _, mask = token_logprobs(model, rows, SAMPLING, llm.pad_id, fast=True)
+            adv = torch.tensor([r.advantage for r in rows])
+            (-(logp * mask).sum(-1) * adv).sum().backward()
+            runs.append(grads(model))
+    finally:
+        torch.set_num_threads(threads)
+    assert any(g.abs().sum() > 0 for g in runs[0])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_only_action_tokens_get_gradient(policy, fast):
     """d(-J)/d h is exactly zero at every position whose hidden state h (the final norm's
