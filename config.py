@@ -64,6 +64,7 @@ DEFAULTS = {
         "steps": 20,  # optimizer rounds (rollout batches)
         "queries_per_step": 8,  # Q queries drawn per step
         "group_size": 4,  # G rollouts per query
+        "equal_task_shares": False,  # each task kind 1/K of every step (False: its share of the data)
         "lr": 2e-5,  # AdamW learning rate (paper: 1e-6 for a 7B model)
         "weight_decay": 0.0,
         "warmup_steps": 0,  # linear warmup, then constant

@@ -213,7 +213,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     this rank takes its share of the queries (whole groups); the metrics row it returns,
     the same on every rank, is the whole step's."""
     t, G = cfg["train"], cfg["train"]["group_size"]
-    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"])  # all Q, the same on every rank
+    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"], t["equal_task_shares"])  # all Q, the same on every rank
     seed = cfg["seed"] * 1_000_003 + step
     part = world.shard(len(queries))  # this rank's groups (all of them in one process)
     mine = queries[part.start:part.stop]
@@ -353,7 +353,7 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_gro
     return rows, groups
 
 
-def draw_queries(items: list, step: int, Q: int, seed: int) -> list:
+def draw_queries(items: list, step: int, Q: int, seed: int, equal_shares: bool = False) -> list:
     """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded, stratified shuffles.
 
     Stratified: each epoch shuffles every task kind (item.meta["task"]) on its own and
@@ -362,22 +362,40 @@ def draw_queries(items: list, step: int, Q: int, seed: int) -> list:
     arithmetic queries and no lookup; the update then pushes every question towards
     one tool and the next step swings back (we saw this on the default run). Data
     without a task field is one kind, i.e. a plain shuffle. A resumed run draws the same
-    stream: it depends only on (seed, position)."""
+    stream: it depends only on (seed, position).
+
+    equal_shares (train.equal_task_shares): the kinds take turns instead, so each holds
+    1/K of every step whatever its share of the data; each kind runs through its own
+    shuffles, a small kind's sooner. The default's two-step questions are 20% of its
+    data, and a step then holds one or two of them: too few successes to learn from."""
+    by_kind = _by_kind(items)
+    kinds = sorted(by_kind)
     out = []
     for k in range(step * Q, step * Q + Q):
-        epoch, pos = divmod(k, len(items))
-        out.append(items[_epoch_order(items, seed, epoch)[pos]])
+        if equal_shares:
+            idx = by_kind[kinds[k % len(kinds)]]
+            epoch, pos = divmod(k // len(kinds), len(idx))
+            order = list(idx)
+            random.Random(f"{seed}/{kinds[k % len(kinds)]}/{epoch}").shuffle(order)
+            out.append(items[order[pos]])
+        else:
+            epoch, pos = divmod(k, len(items))
+            out.append(items[_epoch_order(by_kind, seed, epoch)[pos]])
     return out
 
 
-def _epoch_order(items: list, seed: int, epoch: int) -> list[int]:
-    rng = random.Random(seed * 7919 + epoch)
+def _by_kind(items: list) -> dict[str, list[int]]:
     by_kind: dict[str, list[int]] = {}
     for i, it in enumerate(items):
         by_kind.setdefault(getattr(it, "meta", {}).get("task", ""), []).append(i)
+    return by_kind
+
+
+def _epoch_order(by_kind: dict[str, list[int]], seed: int, epoch: int) -> list[int]:
+    rng = random.Random(seed * 7919 + epoch)
     keyed = []  # (place in [0, 1) within its kind's shuffled list, item index)
     for kind in sorted(by_kind):
-        idx = by_kind[kind]
+        idx = list(by_kind[kind])
         rng.shuffle(idx)
         keyed += [((j + rng.random()) / len(idx), i) for j, i in enumerate(idx)]
     return [i for _, i in sorted(keyed)]

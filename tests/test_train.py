@@ -130,6 +130,25 @@ def test_draws_are_stratified_by_task_kind():
     assert sorted(it.id for it in epoch) == sorted(it.id for it in items)
 
 
+def test_equal_task_shares_give_every_kind_a_third_of_each_step():
+    """train.equal_task_shares: 40/40/20 items, Q = 9, so each step holds 3 of every kind;
+    the small kind runs through all its 20 items (each once) in its first 20 draws,
+    while the big kinds are only half through; the stream depends on (seed, position)."""
+    from benchmarks import Item
+
+    items = [Item(id=f"{k}{i}", question=f"{k} {i}", gold=["1"], kind="number", meta={"task": k})
+             for k, n in (("a", 40), ("b", 40), ("c", 20)) for i in range(n)]
+    draws = [draw_queries(items, step, 9, seed=3, equal_shares=True) for step in range(8)]
+    for draw in draws:
+        assert sorted(it.meta["task"] for it in draw) == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    seen = [it.id for d in draws for it in d]
+    small = [i for i in seen if i.startswith("c")]
+    assert sorted(small[:20]) == sorted(f"c{i}" for i in range(20))  # one epoch of c, no repeats
+    assert len(set(i for i in seen if i.startswith("a"))) == 24  # a: 24 draws, none repeated yet
+    assert draws == [draw_queries(items, step, 9, seed=3, equal_shares=True) for step in range(8)]
+    assert draws != [draw_queries(items, step, 9, seed=4, equal_shares=True) for step in range(8)]
+
+
 @pytest.mark.parametrize("override, words", [
     ("train.lrr=1", ["train.lrr", "allowed", "lr"]),
     ("train.lr=fast", ["train.lr", "float"]),
