@@ -419,7 +419,7 @@ def cap_share(st: dict, mean_tokens: float | None, cap) -> tuple[float | None, b
 
 PROVENANCE_FIELDS = [("git_commit", "git commit"), ("torch", "torch"), ("transformers", "transformers"),
                      ("python", "python"), ("cpu", "CPU"), ("cpu_capability", "CPU kernels (SIMD)"),
-                     ("threads", "torch threads"), ("gpu", "GPU")]
+                     ("threads", "torch threads"), ("decode", "decode step"), ("gpu", "GPU")]
 
 
 def wall_time(run: dict) -> tuple[float | None, str]:
@@ -1274,28 +1274,33 @@ def record_run(out_dir, cfg: dict) -> dict:
     report says so."""
     import atexit
 
-    path = Path(out_dir) / "run.json"
     entry = provenance(cfg)
 
-    def save(update):
-        old = _read_json(path)
-        processes = old.get("processes") if isinstance(old, dict) else None
-        processes = update([p for p in processes or [] if isinstance(p, dict)])
-        tmp = path.with_name(f".run.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"processes": processes}, indent=2) + "\n")
-        os.replace(tmp, path)
-
     def stamp():
-        wall = round(time.time() - entry["started_unix"], 1)
         try:  # re-read: another run() in this process may have appended since
-            save(lambda ps: [{**p, "wall_s": wall} if p.get("started_unix") == entry["started_unix"] else p
-                             for p in ps])
+            note_run(out_dir, entry, wall_s=round(time.time() - entry["started_unix"], 1))
         except OSError:  # the folder is gone (a test's temporary run): nothing to stamp
             pass
 
-    save(lambda ps: ps + [entry])
+    _save_run(Path(out_dir) / "run.json", lambda ps: ps + [entry])
     atexit.register(stamp)
     return entry
+
+
+def note_run(out_dir, entry: dict, **fields) -> None:
+    """Add `fields` to this process's run.json entry (`entry`, from record_run): what is
+    known only later, such as the decode way chosen once the model has loaded."""
+    _save_run(Path(out_dir) / "run.json",
+              lambda ps: [{**p, **fields} if p.get("started_unix") == entry["started_unix"] else p for p in ps])
+
+
+def _save_run(path: Path, update) -> None:
+    old = _read_json(path)
+    processes = old.get("processes") if isinstance(old, dict) else None
+    processes = update([p for p in processes or [] if isinstance(p, dict)])
+    tmp = path.with_name(f".run.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"processes": processes}, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------

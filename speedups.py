@@ -567,6 +567,11 @@ def choose_decode(model):
 _CHOICES: dict[str, str] = {}  # machine key -> the decode way it measured fastest
 
 
+def decode_name(fn) -> str:
+    """The name (AGENTFLOW_DECODE's) of an engine's decode function: wx, xw or plain."""
+    return {decode_step: "wx", decode_step_xw: "xw"}.get(fn, "plain")
+
+
 def _choices_path() -> Path:
     return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow")) / "engine.json"
 

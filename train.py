@@ -60,8 +60,9 @@ from flow_grpo import LossConfig, build_rows, group_advantages, policy_update
 from judge import Judge, judge_counts
 from memory_plan import PlanError, plan_for
 from optim import frozen_reference, make_optimizer, select_trainable
-from report import record_run, write_report
+from report import note_run, record_run, write_report
 from sandbox import SandboxError
+from speedups import decode_name
 from tools import build_tools
 
 
@@ -109,7 +110,7 @@ def run(cfg: dict) -> dict:
     if world.main:  # rank 0 alone writes; the others may run on machines that cannot see out_dir
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
+        run_entry = record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
     t = cfg["train"]
     seed_everything(cfg["seed"])  # the same on every rank: the ranks' own seeds are rollout_seed's
     if cfg["model"]["threads"]:
@@ -138,6 +139,8 @@ def run(cfg: dict) -> dict:
     with world.local_first():  # the decode step measured once per machine, the other ranks read it
         planner, frozen = LLM(model, tok), LLM(ref, tok)
     world.agree_decode([planner, frozen])  # and rank 0's choice on every machine
+    if world.main:  # a run's sample path depends on it: run.json says which it was
+        note_run(out, run_entry, decode=decode_name(planner.decode))
     for llm in (planner, frozen):  # the sampler's waves and prefill forwards stay inside the plan
         llm.wave_bytes, llm.prefill_tokens = plan.wave_bytes, plan.prefill_tokens
     agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))

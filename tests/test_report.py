@@ -598,10 +598,12 @@ def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
         assert re.fullmatch(r"[0-9a-f]{40}( dirty)?", procs[0]["git_commit"])
     stamps = [f for f in registered if f.__qualname__.startswith("record_run")]  # (imports register theirs)
     assert len(stamps) == 2
+    report.note_run(out, first, decode="xw")  # known once the model has loaded: the first process's only
     for stamp in stamps:  # the exit hooks: each stamps its own process's wall time
         stamp()
     procs = json.loads((out / "run.json").read_text())["processes"]
     assert all(p["wall_s"] >= 0 for p in procs)
+    assert procs[0]["decode"] == "xw" and "decode" not in procs[1]  # kept through the exit stamp
     procs[0]["wall_s"], procs[1]["wall_s"] = 100.0, 65.0
     (out / "run.json").write_text(json.dumps({"processes": procs}))
     text = report.write_report(out).read_text(encoding="utf-8")

@@ -81,7 +81,8 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
     assert learning["after"]["n"] == 4 and result["after"] == learning["after"]
     assert learning["run"]["steps"] == 2 and learning["run"]["wall_s"] > 0
     assert len((out / "trajectories" / "step_1.jsonl").read_text().splitlines()) == 4
-    assert json.loads((out / "run.json").read_text())["processes"][0]["seed"] == cfg["seed"]  # provenance
+    proc = json.loads((out / "run.json").read_text())["processes"][0]  # provenance
+    assert proc["seed"] == cfg["seed"] and proc["decode"] in ("plain", "wx", "xw")
     first = json.loads((out / "trajectories" / "step_1.jsonl").read_text().splitlines()[0])
     assert {"tokens", "finish"} <= set(next(e for e in first["log"] if e["module"] == "planner"))
     html = (out / "report.html").read_text()
