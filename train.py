@@ -216,7 +216,8 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     this rank takes its share of the queries (whole groups); the metrics row it returns,
     the same on every rank, is the whole step's."""
     t, G = cfg["train"], cfg["train"]["group_size"]
-    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"], t["equal_task_shares"])  # all Q, the same on every rank
+    # All Q queries, the same on every rank.
+    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"], t["equal_task_shares"])
     seed = cfg["seed"] * 1_000_003 + step
     part = world.shard(len(queries))  # this rank's groups (all of them in one process)
     mine = queries[part.start:part.stop]
@@ -370,7 +371,7 @@ def draw_queries(items: list, step: int, Q: int, seed: int, equal_shares: bool =
     equal_shares (train.equal_task_shares): the kinds take turns instead, so each holds
     1/K of every step whatever its share of the data; each kind runs through its own
     shuffles, a small kind's sooner. The default's two-step questions are 20% of its
-    data, and a step then holds one or two of them: too few successes to learn from."""
+    data, one or two a step; in equal shares, three (measured in docs/LOG.md)."""
     by_kind = _by_kind(items)
     kinds = sorted(by_kind)
     out = []
