@@ -148,20 +148,21 @@ def test_fast_path_gradient_is_bit_exact_run_to_run(policy, dtype):
     llm, _ = policy
     model = llm.model.to(dtype)
     rng = random.Random(0)
-    system = [rng.randrange(100, 20000) for _ in range(300)]  # long enough for the threaded kernels
-    rows = [TurnRow(prompt, [rng.randrange(100, 20000) for _ in range(rng.randint(2, 6))], [], rng.choice([-1.0, 1.0]),
-                    1 / 16)
-            for prompt in (system + [rng.randrange(100, 20000) for _ in range(rng.randint(5, 40))] for _ in range(4))
-            for _ in range(4)]
+    words = lambda n: [rng.randrange(100, 20000) for _ in range(n)]
+    system = words(300)  # a long shared prefix: the atomic-add kernel runs only on large tensors
+    rows = []
+    for _ in range(4):  # 4 planner states, G = 4 actions each: 16 rows in 4 families
+        prompt = system + words(rng.randint(5, 40))
+        rows += [TurnRow(prompt, words(rng.randint(2, 6)), [], rng.choice([-1.0, 1.0]), 1 / 16) for _ in range(4)]
+    adv = torch.tensor([r.advantage for r in rows])  # [16]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         runs = []
         for _ in range(3):
             model.zero_grad(set_to_none=True)
-            logp, _, mask = token_logprobs(model, rows, SAMPLING, llm.pad_id, fast=True)
-            adv = torch.tensor([r.advantage for r in rows])
-            (-(logp * mask).sum(-1) * adv).sum().backward()
+            logp, _, mask = token_logprobs(model, rows, SAMPLING, llm.pad_id, fast=True)  # [16, La] each
+            (-(logp * mask).sum(-1) * adv).sum().backward()  # a REINFORCE-shaped loss: -sum_i A_i log pi(a_i)
             runs.append(grads(model))
     finally:
         torch.set_num_threads(threads)
