@@ -255,6 +255,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     #    sampled with (temperatures, tool restriction), with pi_old from the trainer's own
     #    forward at the weights that sampled: exactly on-policy in any dtype. Every rank
     #    takes part, with or without rows of its own: the gradient is summed over all.
+    lr = scheduler.get_last_lr()[0]  # what this step updates with (the scheduler moves on after it)
     upd = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None, "logprob_gap": None,
            "planner_tokens": 0, "optimizer_steps": 0}
     if any_rows:
@@ -304,7 +305,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
             "infra_failures": sum(every("infra")), "excluded_trajectories": len(turns) - sum(map(len, group_rewards)),
             "excluded_groups": len(queries) - len(group_rewards),
             "tool_cache_hits": sum(p["hits"] for p in parts),  # each rank has its own cache
-            "judge": judge_counts(every("verdicts")), **upd, "lr": scheduler.get_last_lr()[0],
+            "judge": judge_counts(every("verdicts")), **upd, "lr": lr,
             "sampler_waves": sum(p["waves"] for p in parts),
             "time_rollout": times[0], "time_judge": times[1], "time_update": times[2]}
 

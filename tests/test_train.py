@@ -106,6 +106,13 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, learnable_reward)
     assert rows == [1, 2, 3]
 
 
+def test_metrics_record_the_lr_each_step_updated_with(tiny_model_dir, tmp_path, learnable_reward):
+    run(tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=3", "train.eval_before_after=false",
+                 "train.save_every=3", "train.warmup_steps=2"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == pytest.approx([5e-4, 1e-3, 1e-3])  # lr * min(1, step / warmup_steps)
+
+
 def test_data_order_is_a_function_of_seed_and_step():
     items = list(range(10))
     first = [draw_queries(items, s, 4, seed=0) for s in range(5)]
