@@ -72,6 +72,7 @@ DEFAULTS = {
         "eps_low": 0.2,  # clip range 1 - eps_low (paper 0.2)
         "eps_high": 0.3,  # clip range 1 + eps_high (paper 0.3)
         "beta": 0.001,  # KL coefficient (paper 0.001, k3 estimator)
+        "kl_estimator": "k3",  # per-token KL: k3 (paper; its gradient is the forward KL's) | k2 (flow_grpo.token_kl)
         "advantage_mode": "trajectory",  # trajectory (paper) | turn_rows (official code)
         "epochs": 1,  # PPO epochs over one rollout batch
         "minibatches": 1,  # optimizer steps per epoch
@@ -105,6 +106,7 @@ CHOICES = {
     "model.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage_mode": ("trajectory", "turn_rows"),
+    "train.kl_estimator": ("k3", "k2"),
     "tools.python_isolation": ("namespaces", "rlimits"),
     "tools.google_provider": TOOL_CLASSES["Google_Search"].PROVIDERS,
 }

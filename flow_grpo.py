@@ -12,8 +12,10 @@ Paper, section 2. Every symbol of the objective lives in this file:
                pi_theta_old: the trainer's own forward at the weights that sampled (policy_update)
     A_i^t      = A_i = (R_i - mean_k R_k) / (std_k R_k + eps)    -> group_advantages
     eps_low, eps_high  the asymmetric clip range                 -> LossConfig, flow_grpo_loss
-    beta       the KL coefficient, KL estimated per token by k3  -> LossConfig, flow_grpo_loss, `kl`
-    KL         k3 = e^d - d - 1, d = log pi_ref - log pi, CLAMPED -> k3_kl: d to [-20, 20], k3 to <= 10
+    beta       the KL coefficient                                -> LossConfig, flow_grpo_loss, `kl`
+    KL         per sampled token, d = log pi_ref - log pi:       -> token_kl (which KL each gradient follows)
+               k2 = d^2 / 2, or the paper's
+               k3 = e^d - d - 1, CLAMPED                         -> k3_kl: d to [-20, 20], k3 to <= 10
                (verl's "low_var_kl"). Its gradient per token, d k3 / d log pi = 1 - e^d, is then
                bounded: |1 - e^d| <= e^2.61 - 1 ~ 12.6 where k3 < 10, and exactly 0 beyond the
                clamp (k3 = 10 at d ~ 2.61 and d ~ -11). Unclamped, a token at d = 10 pulled with
@@ -67,6 +69,7 @@ class LossConfig:
     eps_low: float  # clip range 1 - eps_low
     eps_high: float  # clip range 1 + eps_high
     beta: float  # KL coefficient
+    kl_estimator: str = "k3"  # k3 (the paper's) | k2: see token_kl
 
 
 # ----------------------------------------------------------------------------------------
@@ -236,6 +239,29 @@ def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return (torch.exp(d) - d - 1).clamp(max=KL_MAX)  # zero gradient where k3 > 10
 
 
+def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The KL term of J per sampled token: [n, La] from log pi_ref, log pi [n, La].
+
+    Both estimators are ~0 where pi = pi_ref and have the same gradient to first order
+    there; they differ in which KL their gradient follows once pi has moved away. With
+    the tokens a drawn from pi (on-policy), d = log pi_ref - log pi:
+      k3 = e^d - d - 1 (the paper's, verl's low_var_kl; k3_kl): gradient (1 - pi_ref/pi)
+         d log pi, expected sum_a (pi - pi_ref) d log pi = -sum_a pi_ref d log pi, the
+         gradient of the FORWARD KL(pi_ref || pi). Its value estimates KL(pi || pi_ref),
+         but it pulls every action the reference likes back up with ~ beta * pi_ref(a),
+         on every row, whether its group carried any signal or not.
+      k2 = d^2 / 2: gradient (log pi - log pi_ref) d log pi, expected sum_a pi (log pi -
+         log pi_ref) d log pi, the gradient of KL(pi || pi_ref), the KL the objective names:
+         it penalises putting mass where the reference has little, and lets an action the
+         reference liked fade once the rewards say it is wrong.
+    tests/test_flow_grpo.py checks both expectations exactly. d is clamped to [-20, 20]
+    for k2 too (|gradient| <= 20 per token)."""
+    if estimator == "k3":
+        return k3_kl(ref_logp, logp)
+    d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
+    return 0.5 * d * d
+
+
 def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossConfig):
     """-J for a set of rows. Shapes: logp, old_logp, ref_logp, mask [n, La]; adv, row_weight [n].
 
@@ -247,15 +273,17 @@ def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossCon
     # sum_j A * d log pi(a_j). Clipping only bites from the second mini-batch / epoch on.
     ratio = torch.exp(logp - old_logp)  # [n, La]  rho_ij^t
     surrogate = torch.minimum(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # [n, La]
-    kl = k3_kl(ref_logp, logp)  # [n, La]  clamped k3, see k3_kl
+    kl = token_kl(ref_logp, logp, cfg.kl_estimator)  # [n, La]
     # Token weight = 1/(N T_i) * 1/|a_i^t|: the three averages of J.
     n_tok = mask.sum(-1).clamp(min=1)  # [n]  |a_i^t|
     w = (row_weight / n_tok)[:, None] * mask  # [n, La]
     J = (w * (surrogate - cfg.beta * kl)).sum()
     with torch.no_grad():
         clipped = ((ratio < 1 - cfg.eps_low) & (A < 0)) | ((ratio > 1 + cfg.eps_high) & (A > 0))
+        # [n, La] tokens whose KL term a clamp has left without a gradient
+        at_clamp = kl >= KL_MAX if cfg.kl_estimator == "k3" else (ref_logp - logp).abs() >= KL_LOG_RATIO_MAX
         stats = {"kl": (w * kl).sum().item(), "clip_frac": (clipped.float() * mask).sum().item(),
-                 "kl_clamped": ((kl >= KL_MAX).float() * mask).sum().item(),
+                 "kl_clamped": (at_clamp.float() * mask).sum().item(),
                  "ratio_dev": ((ratio - 1).abs() * mask).max().item(), "n_tokens": mask.sum().item()}
     return -J, stats
 
@@ -285,7 +313,7 @@ def reference_objective(model, ref_model, trajectories, advantages: list[float],
                 lp_old = lp.detach() if old is None else old[k][j]
                 rho = torch.exp(lp - lp_old)
                 surrogate = torch.minimum(rho * A_i, torch.clamp(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * A_i)
-                kl = k3_kl(lr, lp)  # clamped k3
+                kl = token_kl(lr, lp, cfg.kl_estimator)
                 J = J + (surrogate - cfg.beta * kl) / (N * T_i * size)
             k += 1
     return J

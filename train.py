@@ -260,7 +260,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
            "planner_tokens": 0, "optimizer_steps": 0}
     if any_rows:
         upd = policy_update(model, ref, optimizer, rows, agent.planner_params,
-                            LossConfig(t["eps_low"], t["eps_high"], t["beta"]), agent.planner.pad_id,
+                            LossConfig(t["eps_low"], t["eps_high"], t["beta"], t["kl_estimator"]), agent.planner.pad_id,
                             epochs=t["epochs"], minibatches=t["minibatches"], max_grad_norm=t["max_grad_norm"],
                             seed=seed, scheduler=scheduler, masters=masters, micro_batch=t["micro_batch"],
                             max_tokens=update_tokens, chunk=t["logits_chunk"], world=world)

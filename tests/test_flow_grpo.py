@@ -99,18 +99,20 @@ def test_turn_row_normalisation_weighs_long_trajectories():
         group_advantages([1, 0], 2, mode="rows")
 
 
-def test_batched_loss_and_gradient_equal_naive_loop(policy):
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+def test_batched_loss_and_gradient_equal_naive_loop(policy, estimator):
     llm, ref = policy
     rewards = [1, 0, 1, 0, 0, 1]
     trajs, rows, old = rows_for(llm, rewards, perturb=0.3)
     adv = group_advantages(rewards, 3)
-    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.1), old=old)
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.1, estimator)
+    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, cfg, old=old)
     llm.model.zero_grad()
     (-J).backward()
     g_naive = grads(llm.model)
     for fast in (True, False):  # the fast path (chunked log-probs) and the plain one
         llm.model.zero_grad()
-        st = accumulate_gradients(llm.model, ref, rows, *loss_args(llm, beta=0.1), micro_batch=64, old=old,
+        st = accumulate_gradients(llm.model, ref, rows, SAMPLING, cfg, llm.pad_id, micro_batch=64, old=old,
                                   fast=fast, chunk=5)  # chunks of 5 positions: several per batch
         assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
         assert st["clip_frac"] > 0  # the perturbation made clipping active somewhere
@@ -325,6 +327,27 @@ def test_reference_objective_scores_a_first_temperature(policy, first):
         assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
         assert st["gap_max"] < 1e-4  # the sampler drew token 0 from the distribution scored here
         assert_grads_close(grads(llm.model), g_naive)
+
+
+@pytest.mark.parametrize("estimator, direction", [("k3", "forward"), ("k2", "reverse")])
+def test_which_kl_each_estimator_pulls_toward(estimator, direction):
+    """On-policy, the expected gradient of a per-token KL term, sum_a pi(a) d kl(a) / d theta
+    with the tokens a drawn from pi (so pi(a) is a constant weight), is the gradient of a
+    true KL. k3's, (1 - pi_ref / pi) d log pi, sums to that of KL(pi_ref || pi), the
+    forward one; k2's, (log pi - log pi_ref) d log pi, to that of KL(pi || pi_ref), the
+    one the paper's objective names. Exact sums over a 5-token softmax, no sampling."""
+    from flow_grpo import token_kl
+
+    torch.manual_seed(0)
+    z = (0.5 * torch.randn(5)).requires_grad_()  # the policy's logits; mild, so k3's clamp stays out
+    ref = torch.log_softmax(0.5 * torch.randn(5), -1)  # log pi_ref
+    logp = torch.log_softmax(z, -1)
+    expected = torch.autograd.grad((logp.exp().detach() * token_kl(ref, logp, estimator)).sum(), z)[0]
+    logp = torch.log_softmax(z, -1)
+    pi, pi_ref = logp.exp(), ref.exp()
+    kl = (pi * (logp - ref)).sum() if direction == "reverse" else (pi_ref * (ref - logp)).sum()
+    torch.testing.assert_close(expected, torch.autograd.grad(kl, z)[0], rtol=1e-5, atol=1e-7)
+    assert expected.abs().max() > 1e-3  # the two distributions differ: a real gradient
 
 
 def test_kl_clamp_bounds_the_gradient():
