@@ -71,7 +71,7 @@ DEFAULTS = {
         "max_grad_norm": 1.0,
         "eps_low": 0.2,  # clip range 1 - eps_low (paper 0.2)
         "eps_high": 0.3,  # clip range 1 + eps_high (paper 0.3)
-        "beta": 0.001,  # KL coefficient (paper 0.001, k3 estimator)
+        "beta": 0.001,  # KL coefficient (paper 0.001)
         "kl_estimator": "k3",  # per-token KL: k3 (paper; its gradient is the forward KL's) | k2 (flow_grpo.token_kl)
         "advantage_mode": "trajectory",  # trajectory (paper) | turn_rows (official code)
         "epochs": 1,  # PPO epochs over one rollout batch

@@ -342,8 +342,8 @@ def test_which_kl_each_estimator_pulls_toward(estimator, direction):
     z = (0.5 * torch.randn(5)).requires_grad_()  # the policy's logits; mild, so k3's clamp stays out
     ref = torch.log_softmax(0.5 * torch.randn(5), -1)  # log pi_ref
     logp = torch.log_softmax(z, -1)
-    expected = torch.autograd.grad((logp.exp().detach() * token_kl(ref, logp, estimator)).sum(), z)[0]
-    logp = torch.log_softmax(z, -1)
+    expected = torch.autograd.grad((logp.exp().detach() * token_kl(ref, logp, estimator)).sum(), z)[0]  # [5]
+    logp = torch.log_softmax(z, -1)  # a fresh graph: autograd.grad freed the first
     pi, pi_ref = logp.exp(), ref.exp()
     kl = (pi * (logp - ref)).sum() if direction == "reverse" else (pi_ref * (ref - logp)).sum()
     torch.testing.assert_close(expected, torch.autograd.grad(kl, z)[0], rtol=1e-5, atol=1e-7)
