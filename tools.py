@@ -83,7 +83,7 @@ DEFAULT_TOOL_CFG = {
                                   #   unless the server says how long in Retry-After
     "retry_max_wait_s": 30.0,     # longest single wait; a server asking for more ends the request at once
     "retry_total_s": 60.0,        # no new try once this much time has passed since the first
-    "cache_size": 4096,           # search tools: successful replies kept per tool (least recently used
+    "cache_size": 4096,           # search tools: replies kept per tool, infrastructure failures never (least recently used
                                   #   dropped first), answered again for the same command; 0 = off
     # Wikimedia's User-Agent policy asks automated clients for a way to reach their operator;
     # Wikipedia_Search refuses to start without it (config.preflight).
@@ -137,13 +137,15 @@ class ToolError(Exception):
 
 
 class ReplyCache:
-    """A tool's successful replies by command, bounded, least recently used dropped first.
+    """A tool's replies by command, bounded, least recently used dropped first.
 
     Thread-safe, and a call whose command is already in flight waits for that call's
     reply instead of sending its own: the G rollouts of a query often issue the same
     search at the same moment (tools run concurrently, run_tool_calls), and a cache
-    filled only after a reply would miss all G. Failures are shared with those waiting
-    but never kept."""
+    filled only after a reply would miss all G. A reply the command caused is kept, a
+    failure included ("no passages match"): asking again would give the same, and
+    whether a repeat waited or came later must not change what the run counts. An
+    infrastructure failure (network, quota) is shared with those waiting, never kept."""
 
     def __init__(self, size: int):
         self.size = size
@@ -177,7 +179,7 @@ class ReplyCache:
             raise
         with self._lock:
             del self._pending[key]
-            if result.ok:
+            if not result.infra:
                 self._done[key] = result
                 while len(self._done) > self.size:
                     self._done.popitem(last=False)
