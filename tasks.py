@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import re
 
 # ---------------------------------------------------------------------------
 # Entity types. For each: passage openers (variety only; no fact in them), the
@@ -143,6 +144,20 @@ TWO_STEP_TEMPLATES = ["What is {q} multiplied by {k}?",
                       "What is {k} times {q}?",
                       "If you multiply {q} by {k}, what do you get?"]
 
+# Other wordings, never in train.jsonl: data/heldout_wordings.jsonl asks the held-out
+# questions again in them (every two_step question in all six, each arithmetic and each
+# quantity lookup in one), so a trained planner can be checked on the rule it learned
+# rather than the templates it saw. They stay out of _template_words on purpose: adding
+# words there would change the generated names, and with them every shipped file.
+OTHER_ARITH_WORDINGS = ["Work out {e}.", "What does {e} come to?", "Give the value of {e}."]
+OTHER_LOOKUP_WORDINGS = ["Tell me {q}.", "I would like to know {q}."]
+OTHER_TWO_STEP_WORDINGS = ["Take {q} and multiply it by {k}.",
+                           "Multiply {q} by {k}.",
+                           "How much is {k} times {q}?",
+                           "What do you get when {q} is multiplied by {k}?",
+                           "Find {q}, then multiply it by {k}.",
+                           "{Q} times {k} equals what?"]
+
 # Split sizes. Heldout is fixed by the brief (40/40/16); train keeps about the
 # same mix at four times the size.
 TRAIN_COUNTS = {"arithmetic": 160, "lookup": 160, "two_step": 80}
@@ -226,8 +241,47 @@ def _arithmetic_question(rng):
     return {"question": question, "answer": str(value), "task": "arithmetic"}
 
 
+def _parse(templates, question):
+    """The slots ({q}, {k}, {e}, {n}) of the template `question` was made from, or None."""
+    for template in templates:
+        pattern = re.escape(template)
+        for slot, value in (("q", ".+"), ("k", r"\d+"), ("e", ".+"), ("n", ".+")):
+            pattern = pattern.replace(re.escape("{" + slot + "}"), f"(?P<{slot}>{value})")
+        m = re.fullmatch(pattern, question)
+        if m:
+            return m.groupdict()
+    return None
+
+
+def reworded(heldout: list[dict]) -> list[dict]:
+    """The held-out questions again in the OTHER_* wordings, same answers, ids
+    "<id>-w<j>". Lookups of a fact other than the type's quantity have no other wording
+    here (they would need one per fact) and are left out."""
+    rows, turn = [], {"arithmetic": 0, "lookup": 0}
+    quantity_asks = [(ask, spec["quantity"][1]) for spec in ENTITY_TYPES.values()
+                     for ask in spec["ask"][spec["quantity"][0]]]
+    for row in heldout:
+        if row["task"] == "two_step":
+            slots = _parse(TWO_STEP_TEMPLATES, row["question"])
+            q = slots["q"]
+            wordings = [w.format(q=q, k=slots["k"], Q=q[0].upper() + q[1:]) for w in OTHER_TWO_STEP_WORDINGS]
+        elif row["task"] == "arithmetic":
+            e = _parse(ARITH_TEMPLATES, row["question"])["e"]
+            wordings = [OTHER_ARITH_WORDINGS[turn["arithmetic"] % len(OTHER_ARITH_WORDINGS)].format(e=e)]
+            turn["arithmetic"] += 1
+        else:
+            found = [(phrase, _parse([ask], row["question"])) for ask, phrase in quantity_asks]
+            found = [phrase.format(n=slots["n"]) for phrase, slots in found if slots]
+            if not found:
+                continue
+            wordings = [OTHER_LOOKUP_WORDINGS[turn["lookup"] % len(OTHER_LOOKUP_WORDINGS)].format(q=found[0])]
+            turn["lookup"] += 1
+        rows += [{**row, "id": f"{row['id']}-w{j}", "question": w} for j, w in enumerate(wordings)]
+    return rows
+
+
 def generate(seed: int = 0) -> dict:
-    """Build {"corpus", "train", "heldout"} deterministically from `seed`."""
+    """Build {"corpus", "train", "heldout", "heldout_wordings"} deterministically from `seed`."""
     rng = random.Random(seed)
     new_name = _name_maker(rng)
     regions = [new_name() for _ in range(N_REGIONS)]
@@ -286,7 +340,7 @@ def generate(seed: int = 0) -> dict:
     passages = [e["passage"] for t in TYPE_ORDER for e in by_type[t]]
     rng.shuffle(passages)
     corpus = [{"id": f"doc-{i + 1:04d}", **p} for i, p in enumerate(passages)]
-    return {"corpus": corpus, **splits}
+    return {"corpus": corpus, **splits, "heldout_wordings": reworded(splits["heldout"])}
 
 
 def dump_jsonl(rows, path):
@@ -297,7 +351,7 @@ def dump_jsonl(rows, path):
 
 
 def write(out_dir="data", seed=0):
-    """Write corpus.jsonl, train.jsonl and heldout.jsonl into out_dir."""
+    """Write corpus.jsonl, train.jsonl, heldout.jsonl and heldout_wordings.jsonl into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     for name, rows in generate(seed).items():
         dump_jsonl(rows, os.path.join(out_dir, f"{name}.jsonl"))
@@ -309,4 +363,4 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args()
     write(args.out, args.seed)
-    print(f"wrote {args.out}/corpus.jsonl, train.jsonl, heldout.jsonl (seed {args.seed})")
+    print(f"wrote {args.out}/corpus.jsonl, train.jsonl, heldout.jsonl, heldout_wordings.jsonl (seed {args.seed})")

@@ -20,7 +20,7 @@ import tasks  # noqa: E402
 from benchmarks import read_jsonl  # noqa: E402
 
 DATA = ROOT / "data"
-FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl"]
+FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl", "heldout_wordings.jsonl"]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,28 @@ def test_heldout_asks_about_unseen_entities(data, passage_of):
     assert not entities("train") & entities("heldout")
     # and the corpus holds distractors that no question asks about
     assert len(passage_of) - len(entities("train") | entities("heldout")) >= 100
+
+
+def test_other_wordings_ask_the_held_out_questions_in_words_training_never_used(data, passage_of):
+    """heldout_wordings.jsonl: each row is a held-out question (same id stem, task and
+    answer) about the same entity, or with the same numbers, in a wording that none of
+    the templates train.jsonl was made from can produce."""
+    heldout = {r["id"]: r for r in data["heldout"]}
+    train_templates = tasks.ARITH_TEMPLATES + tasks.TWO_STEP_TEMPLATES + [
+        ask for spec in tasks.ENTITY_TYPES.values() for asks in spec["ask"].values() for ask in asks]
+    per_item = {}
+    for r in data["heldout_wordings"]:
+        stem, j = r["id"].rsplit("-w", 1)
+        base = heldout[stem]
+        per_item.setdefault(stem, []).append(int(j))
+        assert (r["task"], r["answer"]) == (base["task"], base["answer"])
+        assert tasks._parse(train_templates, r["question"]) is None, r["question"]
+        assert entities_in(r["question"], passage_of) == entities_in(base["question"], passage_of)
+        assert sorted(numbers_in(r["question"])) == sorted(numbers_in(base["question"])), r["question"]
+    kinds = {t: [i for i, b in heldout.items() if b["task"] == t] for t in ("arithmetic", "lookup", "two_step")}
+    assert all(per_item[i] == list(range(len(tasks.OTHER_TWO_STEP_WORDINGS))) for i in kinds["two_step"])
+    assert all(per_item[i] == [0] for i in kinds["arithmetic"])
+    assert 15 <= sum(i in per_item for i in kinds["lookup"]) < len(kinds["lookup"])  # quantity facts only
 
 
 # --- the kind is visible from the wording --------------------------------------
