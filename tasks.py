@@ -257,7 +257,7 @@ def reworded(heldout: list[dict]) -> list[dict]:
     """The held-out questions again in the OTHER_* wordings, same answers, ids
     "<id>-w<j>". Lookups of a fact other than the type's quantity have no other wording
     here (they would need one per fact) and are left out."""
-    rows, turn = [], {"arithmetic": 0, "lookup": 0}
+    rows, used = [], {"arithmetic": 0, "lookup": 0}  # rows of each kind reworded so far
     quantity_asks = [(ask, spec["quantity"][1]) for spec in ENTITY_TYPES.values()
                      for ask in spec["ask"][spec["quantity"][0]]]
     for row in heldout:
@@ -267,15 +267,15 @@ def reworded(heldout: list[dict]) -> list[dict]:
             wordings = [w.format(q=q, k=slots["k"], Q=q[0].upper() + q[1:]) for w in OTHER_TWO_STEP_WORDINGS]
         elif row["task"] == "arithmetic":
             e = _parse(ARITH_TEMPLATES, row["question"])["e"]
-            wordings = [OTHER_ARITH_WORDINGS[turn["arithmetic"] % len(OTHER_ARITH_WORDINGS)].format(e=e)]
-            turn["arithmetic"] += 1
+            wordings = [OTHER_ARITH_WORDINGS[used["arithmetic"] % len(OTHER_ARITH_WORDINGS)].format(e=e)]
+            used["arithmetic"] += 1
         else:
             found = [(phrase, _parse([ask], row["question"])) for ask, phrase in quantity_asks]
             found = [phrase.format(n=slots["n"]) for phrase, slots in found if slots]
             if not found:
                 continue
-            wordings = [OTHER_LOOKUP_WORDINGS[turn["lookup"] % len(OTHER_LOOKUP_WORDINGS)].format(q=found[0])]
-            turn["lookup"] += 1
+            wordings = [OTHER_LOOKUP_WORDINGS[used["lookup"] % len(OTHER_LOOKUP_WORDINGS)].format(q=found[0])]
+            used["lookup"] += 1
         rows += [{**row, "id": f"{row['id']}-w{j}", "question": w} for j, w in enumerate(wordings)]
     return rows
 

@@ -83,8 +83,9 @@ DEFAULT_TOOL_CFG = {
                                   #   unless the server says how long in Retry-After
     "retry_max_wait_s": 30.0,     # longest single wait; a server asking for more ends the request at once
     "retry_total_s": 60.0,        # no new try once this much time has passed since the first
-    "cache_size": 4096,           # search tools: replies kept per tool, infrastructure failures never (least recently used
-                                  #   dropped first), answered again for the same command; 0 = off
+    "cache_size": 4096,           # search tools: replies kept per tool (infrastructure failures never;
+                                  #   least recently used dropped first), answered again for the same
+                                  #   command; 0 = off
     # Wikimedia's User-Agent policy asks automated clients for a way to reach their operator;
     # Wikipedia_Search refuses to start without it (config.preflight).
     "contact": "",                # an email address or URL of yours, e.g. "you@example.org"

@@ -133,7 +133,13 @@ def test_other_wordings_ask_the_held_out_questions_in_words_training_never_used(
     kinds = {t: [i for i, b in heldout.items() if b["task"] == t] for t in ("arithmetic", "lookup", "two_step")}
     assert all(per_item[i] == list(range(len(tasks.OTHER_TWO_STEP_WORDINGS))) for i in kinds["two_step"])
     assert all(per_item[i] == [0] for i in kinds["arithmetic"])
-    assert 15 <= sum(i in per_item for i in kinds["lookup"]) < len(kinds["lookup"])  # quantity facts only
+    # lookups: only those of the fact two_step multiplies, asked by that fact's phrase
+    phrases = [spec["quantity"][1] for spec in tasks.ENTITY_TYPES.values()]
+    for r in data["heldout_wordings"]:
+        if r["task"] == "lookup":
+            name = entities_in(r["question"], passage_of)[0]
+            assert any(p.format(n=name) in r["question"] for p in phrases), r["question"]
+    assert 0 < sum(i in per_item for i in kinds["lookup"]) < len(kinds["lookup"])
 
 
 # --- the kind is visible from the wording --------------------------------------
