@@ -258,6 +258,8 @@ def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, estimator: str) -> torc
     for k2 too (|gradient| <= 20 per token)."""
     if estimator == "k3":
         return k3_kl(ref_logp, logp)
+    if estimator != "k2":  # config.py checks train.kl_estimator; this guards a LossConfig built by hand
+        raise ValueError(f"kl_estimator must be 'k3' or 'k2', not {estimator!r}")
     d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
     return 0.5 * d * d
 
