@@ -13,16 +13,15 @@ that mix, small enough for SmolLM2-135M to learn from in minutes:
               entity: the model cannot know it, and the only place the fact
               exists is our shipped corpus (data/corpus.jsonl). Local_Search
               decides success; the answer is then a number to copy.
-  two_step    "What is the population of Velmora multiplied by 7?"  A third
-              of the training mix needs both tools, in order: search, then code.
+  two_step    "What is the population of Velmora multiplied by 7?"  About a
+              fifth of the mix needs both tools, in order: search, then code.
 
 So the rule a planner should learn is: "unknown named entity -> Local_Search,
 big arithmetic -> Python_Coder", and Base_Generator alone fails almost always.
 Every answer is an integer, so the judge can score exactly ("kind": "number").
 
-How it is generated (from random.Random(seed), and the extra two_step training
-rows from a second stream of the same seed; no set iteration order, no hash(), so
-the files are identical on every machine and Python version):
+How it is generated (all from one random.Random(seed); no set iteration order,
+no hash(), so the files are identical on every machine and Python version):
   1. Invented names from consonant-vowel syllables, each a single word that
      occurs nowhere else in the corpus, so BM25 on the question ranks the
      entity's passage first (a rare token has a high IDF).
@@ -145,23 +144,6 @@ TWO_STEP_TEMPLATES = ["What is {q} multiplied by {k}?",
                       "What is {k} times {q}?",
                       "If you multiply {q} by {k}, what do you get?"]
 
-# More two_step wordings, in train.jsonl only: TRAIN_EXTRA_TWO_STEP more training
-# questions about the training entities, so the planner meets a two-step question in
-# more shapes than the three templates (whose "What is ..." opening it otherwise ties to
-# arithmetic: docs/LOG.md, 2026-12-02). They are drawn from a random stream of their own
-# after everything else, so the held-out split and the corpus are byte for byte what
-# they were without them (the other training rows are the same questions, in another
-# order); and they stay out of _template_words,
-# like the OTHER_* wordings below, for the same reason. None opens with an arithmetic
-# template's verb: with "Compute/Calculate/Evaluate X times k" among them, one seed sent
-# "Evaluate <expr>." to Base_Generator (docs/LOG.md).
-TRAIN_TWO_STEP_WORDINGS = ["Look up {q} and give {k} times that number.",
-                           "What is the product of {q} and {k}?",
-                           "Scale {q} by a factor of {k}.",
-                           "I need {q} multiplied by {k}.",
-                           "Report {k} times {q}."]
-TRAIN_EXTRA_TWO_STEP = 80
-
 # Other wordings, never in train.jsonl: data/heldout_wordings.jsonl asks the held-out
 # questions again in them (every two_step question in all six, each arithmetic and each
 # quantity lookup in one), so a trained planner can be checked on the rule it learned
@@ -176,9 +158,8 @@ OTHER_TWO_STEP_WORDINGS = ["Take {q} and multiply it by {k}.",
                            "Find {q}, then multiply it by {k}.",
                            "{Q} times {k} equals what?"]
 
-# Split sizes. Heldout is fixed by the brief (40/40/16); train has the same mix at
-# four times the size, and then TRAIN_EXTRA_TWO_STEP more two_step questions (above):
-# 160 of each kind.
+# Split sizes. Heldout is fixed by the brief (40/40/16); train keeps about the
+# same mix at four times the size.
 TRAIN_COUNTS = {"arithmetic": 160, "lookup": 160, "two_step": 80}
 HELDOUT_COUNTS = {"arithmetic": 40, "lookup": 40, "two_step": 16}
 TRAIN_ENTITIES_PER_TYPE = 20   # 120 entities asked about in train
@@ -242,11 +223,10 @@ def _lookup_question(rng, ent, fact=None):
     return {"question": question, "answer": str(ent["facts"][fact]), "task": "lookup"}
 
 
-def _two_step_question(rng, ent, templates=TWO_STEP_TEMPLATES):
+def _two_step_question(rng, ent):
     fact, phrase = ENTITY_TYPES[ent["type"]]["quantity"]
     k = rng.randint(3, 9)
-    q = phrase.format(n=ent["name"])
-    question = rng.choice(templates).format(q=q, k=k, Q=q[0].upper() + q[1:])
+    question = rng.choice(TWO_STEP_TEMPLATES).format(q=phrase.format(n=ent["name"]), k=k)
     return {"question": question, "answer": str(ent["facts"][fact] * k), "task": "two_step"}
 
 
@@ -262,10 +242,10 @@ def _arithmetic_question(rng):
 
 
 def _parse(templates, question):
-    """The slots ({q}, {Q}, {k}, {e}, {n}) of the template `question` was made from, or None."""
+    """The slots ({q}, {k}, {e}, {n}) of the template `question` was made from, or None."""
     for template in templates:
         pattern = re.escape(template)
-        for slot, value in (("q", ".+"), ("Q", ".+"), ("k", r"\d+"), ("e", ".+"), ("n", ".+")):
+        for slot, value in (("q", ".+"), ("k", r"\d+"), ("e", ".+"), ("n", ".+")):
             pattern = pattern.replace(re.escape("{" + slot + "}"), f"(?P<{slot}>{value})")
         m = re.fullmatch(pattern, question)
         if m:
@@ -348,21 +328,10 @@ def generate(seed: int = 0) -> dict:
     while len(heldout) < sum(HELDOUT_COUNTS.values()):
         add(heldout, _arithmetic_question(rng))
 
-    # The extra two_step training questions, from their own stream (see
-    # TRAIN_TWO_STEP_WORDINGS): `rng` never sees them.
-    extra_rng = random.Random(f"{seed}/two_step-extra")
-    extra = []
-    while len(extra) < TRAIN_EXTRA_TWO_STEP:
-        ent = extra_rng.choice(train_ents)
-        add(extra, _two_step_question(extra_rng, ent, TRAIN_TWO_STEP_WORDINGS))
-
     # Shuffle so kinds interleave, then number the rows.
     splits = {}
     for split, rows in (("train", train), ("heldout", heldout)):
         rng.shuffle(rows)
-        if split == "train":
-            rows += extra
-            extra_rng.shuffle(rows)
         splits[split] = [{"id": f"{split}-{i + 1:04d}", "kind": "number", **row}
                          for i, row in enumerate(rows)]
 

@@ -371,8 +371,8 @@ def draw_queries(items: list, step: int, Q: int, seed: int, equal_shares: bool =
 
     equal_shares (train.equal_task_shares): the kinds take turns instead, so each holds
     1/K of every step whatever its share of the data; each kind runs through its own
-    shuffles, a small kind's sooner. The default's data holds its three kinds in equal
-    numbers, so there the two ways draw the same mix."""
+    shuffles, a small kind's sooner. The default's two-step questions are 20% of its
+    data, one or two a step; in equal shares, three (measured in docs/LOG.md)."""
     by_kind = _by_kind(items)
     kinds = sorted(by_kind)
     out = []

@@ -92,23 +92,8 @@ def test_row_format_and_counts(data):
             assert row["kind"] == "number" and row["answer"].isdigit()
     count = lambda split, task: sum(r["task"] == task for r in data[split])
     assert [count("heldout", t) for t in ("arithmetic", "lookup", "two_step")] == [40, 40, 16]
-    assert [count("train", t) for t in ("arithmetic", "lookup", "two_step")] == [160, 160, 160]
-
-
-def test_extra_two_step_rows_change_nothing_else(data, monkeypatch):
-    """The TRAIN_TWO_STEP_WORDINGS rows come from their own random stream: without them
-    (TRAIN_EXTRA_TWO_STEP = 0) the held-out split and the corpus are the same files, and
-    the other training rows the same questions (in another order)."""
-    made_from = lambda templates: [r for r in data["train"] if tasks._parse(templates, r["question"])]
-    extra = made_from(tasks.TRAIN_TWO_STEP_WORDINGS)
-    assert len(extra) == tasks.TRAIN_EXTRA_TWO_STEP
-    assert all(r["task"] == "two_step" for r in extra)
-    assert len(made_from(tasks.TWO_STEP_TEMPLATES)) == tasks.TRAIN_COUNTS["two_step"]
-    monkeypatch.setattr(tasks, "TRAIN_EXTRA_TWO_STEP", 0)
-    without = tasks.generate(0)
-    assert without["heldout"] == data["heldout"] and without["corpus"] == data["corpus"]
-    assert sorted(r["question"] for r in without["train"]) == sorted(
-        r["question"] for r in data["train"] if r not in extra)
+    assert 380 <= len(data["train"]) <= 420
+    assert 0.15 <= count("train", "two_step") / len(data["train"]) <= 0.25
 
 
 # --- splits --------------------------------------------------------------------
@@ -134,7 +119,7 @@ def test_other_wordings_ask_the_held_out_questions_in_words_training_never_used(
     answer) about the same entity, or with the same numbers, in a wording that none of
     the templates train.jsonl was made from can produce."""
     heldout = {r["id"]: r for r in data["heldout"]}
-    train_templates = tasks.ARITH_TEMPLATES + tasks.TWO_STEP_TEMPLATES + tasks.TRAIN_TWO_STEP_WORDINGS + [
+    train_templates = tasks.ARITH_TEMPLATES + tasks.TWO_STEP_TEMPLATES + [
         ask for spec in tasks.ENTITY_TYPES.values() for asks in spec["ask"].values() for ask in asks]
     per_item = {}
     for r in data["heldout_wordings"]:
@@ -197,7 +182,7 @@ def test_two_step_answers_follow_from_the_looked_up_fact(data, passage_of):
             if r["task"] == "two_step":
                 [name] = entities_in(r["question"], passage_of)
                 [k] = numbers_in(r["question"])
-                assert re.search(r"multipl|times|product|factor", r["question"]), r
+                assert "multipl" in r["question"] or "times" in r["question"], r
                 facts = numbers_in(passage_of[name]["text"])
                 assert int(r["answer"]) in [n * k for n in facts], r
 
