@@ -12,7 +12,8 @@ first, per answer kind:
             tables, never as the reward
     number  exact rational equality (Fraction), with a 1e-6 relative tolerance
             only when a decimal point is involved; a gold or answer that is not
-            a plain number goes to the math rule
+            a plain number goes to the math rule, except plain arithmetic left
+            undone ("80319 * 9011"): it restates a question, it is no number
     math    LaTeX math answers (DeepMath, AIME, AMC): expressions with \\sqrt,
             \\pi, \\frac, powers, functions and variables, intervals, tuples, sets,
             matrices, degrees, percentages, scientific notation (math_answer.py
@@ -277,6 +278,23 @@ def _math_match(pred_text: str, gold_text: str) -> bool:
     if parse_number(pred_text) is not None and parse_number(gold_text) is not None:
         return _number_match(pred_text, gold_text)
     return math_answer.equivalent(pred_text, gold_text)
+
+
+# Numbers joined by + - * / ^ (in any spelling) and nothing else: "80319 * 9011",
+# "(3 + 4) x 2". A model that copies the question's sum has not answered it, though the
+# math rule would evaluate the copy to the gold. One number in scientific notation
+# ("3 \times 10^{8}") is a number, not a sum to do.
+_ARITH_OP = r"(?:[-+*/^x×÷]|\\times|\\cdot|\\div)"
+_UNDONE = re.compile(rf"[(\s]*-?\d[\d,.]*[)\s]*(?:{_ARITH_OP}[(\s]*-?\d[\d,.]*[)\s]*)+")
+_SCIENTIFIC = re.compile(rf"\s*-?\d[\d.]*\s*(?:[*x×]|\\times|\\cdot)\s*10\s*\^\s*\{{?\s*-?\d+\s*\}}?\s*")
+
+
+def _undone_arithmetic(s: str) -> bool:
+    """True for an answer that is a sum of plain numbers still to be done (see _UNDONE).
+    A lone fraction "3/4" and a lone number are answers: parse_number reads them."""
+    s = s.strip().rstrip(".")
+    return (parse_number(s) is None and _UNDONE.fullmatch(s) is not None
+            and _SCIENTIFIC.fullmatch(s) is None)
 
 
 def _wordy(s: str) -> bool:
@@ -565,6 +583,8 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
         ok = any(normalize_text(ext) == normalize_text(g) for g in golds) if not opts else False
         return result(ok, 0.0)
 
+    if kind == "number" and _undone_arithmetic(ext):
+        return result(False, 0.0)
     if kind in ("number", "math"):
         if any(_math_match(ext, g) for g in golds):
             return result(True, 1.0)

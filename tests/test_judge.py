@@ -149,6 +149,20 @@ def test_math_kind_on_deepmath_style_answers():
         assert not correct(pred, gold, "math"), (pred, gold)
 
 
+def test_number_kind_rejects_arithmetic_left_undone():
+    """A generator that copies the question's sum ("Calculate 97210 * 4592." answered
+    "97210 * 4592") has not answered it, though the math rule evaluates the copy to the
+    gold: on the offline default that earned Base_Generator reward 1 on arithmetic."""
+    for undone, gold in [("97210 * 4592", "446388320"), ("954283 + 525273 + 463808", "1943364"),
+                         ("(3 + 4) * 2", "14"), (r"4 \times 5", "20"), ("80319 * 9011.", "723754509"),
+                         ("<answer>6 + 3</answer>", "9"), ("Answer: 7 - 2", "5")]:
+        assert not correct(undone, gold, "number"), undone
+        assert correct(undone, gold, "math"), undone  # competition math keeps its closed forms
+    for done, gold in [("446388320", "446388320"), ("3/4", "0.75"), (r"3 \times 10^{8}", "300000000"),
+                       ("-5", "-5"), (r"\sqrt{1089}", "33"), ("m+n = 33", "33")]:
+        assert correct(done, gold, "number"), done
+
+
 def test_number_kind_hands_non_plain_numbers_to_the_math_rule():
     assert correct(r"<answer>\sqrt{1089}</answer>", "33", "number")
     assert correct(r"<answer>\sqrt{12}</answer>", r"2\sqrt{3}", "number")
