@@ -402,6 +402,9 @@ Sub-goal: <what this step must find out>"""
 # The planner reads the memory as what each earlier step found, the tool named by what it
 # did ("a search found: ..."): shown "Turn 1: Local_Search - ...", a 135M planner copies
 # the last tool name into its reply (docs/LOG.md), and a second step is rarely sampled.
+# After a step the verifier continued, the view also says what the verifier found still
+# open ("the check said: a calculation is still needed"): without that line a trained
+# planner searched again after a search on most two_step questions (docs/LOG.md).
 PLANNER_USER = """Question: {query}
 What the earlier steps found:
 {found}
@@ -670,8 +673,13 @@ class AgentSystem:
 
     def _found(self, memory: Memory) -> str:
         """The planner's view of M^t: one line per turn, what it did and what came back."""
-        lines = [f"- {self.tools[r.tool].found_as if r.tool in self.tools else 'a step without a tool gave'}: "
-                 f"{r.result or r.error}" for r in memory.records]
+        lines = []
+        for r in memory.records:
+            tool = self.tools.get(r.tool)
+            lines.append(f"- {tool.found_as if tool else 'a step without a tool gave'}: {r.result or r.error}")
+            if r.verdict == "continue":
+                says = tool.check.continue_says if tool and tool.check else ""
+                lines.append(f"- the check said: {says or 'the question is not answered yet'}")
         return cut("\n".join(lines), memory.budget_chars) if lines else "- nothing yet"
 
     def _verify(self, live, seed) -> list[bool]:

@@ -199,6 +199,7 @@ class Check:
     label: str  # the reply is forced to start here, in the examples and in the prompt
     stop_if: str  # "Yes" or "No": the answer that ends the trajectory
     examples: tuple[tuple[str, str, str], ...]  # (question, the tool's output, answer)
+    continue_says: str = ""  # what the planner's view of the memory says after it continued
 
 
 class Tool:
@@ -371,7 +372,8 @@ class LocalSearch(Tool):
                       ("Tell me the length of the Vell river in km.", "Vell: The Vell is a river 340 km long.", "No"),
                       ("Divide the length of the Vell in km by 5.", "Vell: The Vell is a river 340 km long.", "Yes"),
                       ("Which river runs through Dorn, and how many bridges cross it?",
-                       "Dorn: The Dorn is a river. It is crossed by 14 bridges.", "No")))
+                       "Dorn: The Dorn is a river. It is crossed by 14 bridges.", "No")),
+                  continue_says="a calculation is still needed")
     aliases = ("local", "search", "retriev", "corpus", "lookup", "look up")
     cacheable = True
 
