@@ -672,7 +672,8 @@ class AgentSystem:
         return trajs
 
     def _found(self, memory: Memory) -> str:
-        """The planner's view of M^t: one line per turn, what it did and what came back."""
+        """The planner's view of M^t: one line per turn, what it did and what came back, and
+        after a turn the verifier continued, a line with what it found still open (v^t)."""
         lines = []
         for r in memory.records:
             tool = self.tools.get(r.tool)
