@@ -573,7 +573,8 @@ class AgentSystem:
         # tool names (" Python", " Local", ...): the policy over tools becomes a softmax
         # over those few tokens, and the trainer applies the same restriction
         # (flow_grpo.token_logprobs), so log-probs still match exactly.
-        first_token = {n: planner.tok.encode(" " + n, add_special_tokens=False)[0] for n in self.tool_names}
+        self.first_token = first_token = {n: planner.tok.encode(" " + n, add_special_tokens=False)[0]
+                                          for n in self.tool_names}
         self.planner_params = replace(cfg.planner, first_tokens=tuple(sorted(set(first_token.values())))
                                       if cfg.constrain_tool else ())
         # With force_tool (eval.py --force-tool), the only allowed first token at turn t is
@@ -624,9 +625,7 @@ class AgentSystem:
             s = seed * 1000 + turn * 10  # distinct, reproducible streams per module and turn
 
             # Planner: a^t ~ pi_theta(. | q, K, M^t), one batched call over live trajectories.
-            prompts = [self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
-                query=tr.query, found=self._found(tr.memory), turn=turn, max_turns=T_max), "Tool:")
-                for tr in live]
+            prompts = [self.planner_prompt(tr.query, tr.memory, turn, T_max) for tr in live]
             params = (self.forced_params[min(turn, len(self.forced_params)) - 1] if self.forced_params
                       else self.planner_params)
             samples = self.planner.sample(prompts, params, seed=s)
@@ -670,6 +669,31 @@ class AgentSystem:
             tr.answer = smp.text.strip()
             tr.log.append({"module": "generator", "output": tr.answer})
         return trajs
+
+    def planner_prompt(self, query: str, memory: Memory, turn: int, max_turns: int) -> list[int]:
+        """The planner's state (q, K, M^t) as token ids, ending where its action begins."""
+        return self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
+            query=query, found=self._found(memory), turn=turn, max_turns=max_turns), "Tool:")
+
+    @torch.no_grad()
+    def first_tool_probs(self, queries: list[str], max_turns: int | None = None, batch: int = 32) -> torch.Tensor:
+        """pi_theta's choice of the first tool, read off without sampling: for each query's
+        turn-1 state (empty memory), the softmax at temperature 1 over the first tokens of
+        the tool names, the restriction the sampler applies to the action's first token.
+        [n, K], columns in self.tool_names order; the greedy planner takes the argmax.
+        A diagnostic (eval.py --tool-probs): how far a question is from its tool decision."""
+        T_max = max_turns or self.cfg.max_turns
+        tokens = [self.first_token[n] for n in self.tool_names]  # [K]
+        if len(set(tokens)) < len(tokens):
+            raise ValueError("two tools' names begin with the same token: the first token does not say "
+                             "which tool the planner chose")
+        out = []
+        for i in range(0, len(queries), batch):
+            prompts = [self.planner_prompt(q, Memory(self.cfg.memory_budget_chars, self.cfg.result_chars), 1, T_max)
+                       for q in queries[i:i + batch]]
+            logits, _ = prefill(self.planner.model, prompts, self.planner.pad_id, DynamicCache())  # [b, V]
+            out.append(torch.softmax(logits.float()[:, tokens], dim=-1))  # [b, K]
+        return torch.cat(out)
 
     def _found(self, memory: Memory) -> str:
         """The planner's view of M^t: one line per turn, what it did and what came back, and

@@ -2,6 +2,7 @@
 
     python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
                    [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
+                   [--sweep 1,2,3] [--tool-probs]
     torchrun --nproc_per_node K eval.py --benchmark ...      the items shared by K processes
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
@@ -160,6 +161,38 @@ def print_sweep(sweep: dict) -> None:
                   "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
 
 
+def tool_probs(planners: dict, items: list[Item], max_turns: int) -> dict:
+    """Each planner's turn-1 distribution over the tools (AgentSystem.first_tool_probs), per
+    task kind: the mean probability of each tool and the share of questions where it is the
+    greedy choice. What the held-out accuracy hides: a question decided at 0.51 and one at
+    0.99 look the same there. {"tools", "planners": {label: {kind: {...}}}, "items": [...]}"""
+    kinds = sorted({it.meta.get("task") or "all" for it in items})
+    result = {"tools": [], "planners": {}, "items": [{"id": it.id, "task": it.meta.get("task", "")} for it in items]}
+    for label, agent in planners.items():
+        p = agent.first_tool_probs([it.question for it in items], max_turns)  # [n, K]
+        result["tools"] = agent.tool_names
+        for row, probs in zip(result["items"], p.tolist()):
+            row[label] = [round(x, 4) for x in probs]
+        per = result["planners"][label] = {}
+        for kind in kinds:
+            rows = [k for k, it in enumerate(items) if (it.meta.get("task") or "all") == kind]
+            q = p[rows]  # [n_kind, K]
+            greedy = q.argmax(-1)  # [n_kind]
+            per[kind] = {"n": len(rows), "mean": dict(zip(agent.tool_names, q.mean(0).tolist())),
+                         "greedy": {n: (greedy == k).float().mean().item() for k, n in enumerate(agent.tool_names)}}
+    return result
+
+
+def print_tool_probs(probs: dict) -> None:
+    tools = probs["tools"]
+    print(f"\n{'planner':24s}{'kind':>12s}{'n':>5s}" + "".join(f"{t:>18s}" for t in tools))
+    print(f"{'':41s}" + "".join(f"{'mean p / greedy':>18s}" for _ in tools))
+    for label, per in probs["planners"].items():
+        for kind, s in per.items():
+            print(f"{label:24.24s}{kind:>12s}{s['n']:5d}" +
+                  "".join(f"{s['mean'][t]:11.2f} / {s['greedy'][t]:4.2f}" for t in tools))
+
+
 def build_agent(cfg: dict, model_path: str | None = None, world=dist.SINGLE):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
     or the configured model; executor, verifier and generator always the configured one."""
@@ -195,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default="", help="turn budgets, e.g. 1,2,3: the paper's test-time analysis. "
                     "Evaluates the configured (frozen) planner and, with --model, the trained one at each "
                     "budget; prints the table and writes OUT_DIR/turn_sweep.json (the run's report shows it)")
+    ap.add_argument("--tool-probs", action="store_true", help="no rollouts: each planner's turn-1 "
+                    "probabilities over the tools per task kind (the frozen one and, with --model, the "
+                    "trained one); prints the table and writes OUT/tool_probs.json")
     ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
@@ -223,13 +259,22 @@ def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
         return 2
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     e = cfg["eval"]
-    if args.sweep:
+    if args.sweep or args.tool_probs:
         from agentflow import AgentSystem
 
-        budgets = [int(b) for b in args.sweep.split(",")]
         planners = {"frozen": AgentSystem(agent.frozen, agent.frozen, agent.tools, agent.cfg)}
         if args.model:
             planners[f"trained ({Path(args.model).name})"] = agent
+    if args.tool_probs:
+        if world.main:  # prefill only: one process does it all
+            probs = tool_probs(planners, items, args.max_turns or e["max_turns"])
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "tool_probs.json").write_text(json.dumps(probs, indent=1) + "\n")
+            print_tool_probs(probs)
+            print(f"written to {out}/tool_probs.json")
+        return 0
+    if args.sweep:
+        budgets = [int(b) for b in args.sweep.split(",")]
         sweep = turn_sweep(planners, items, budgets, Path(out).parent / f"sweep_{Path(args.benchmark).stem}",
                            batch_size=args.batch_size or e["batch_size"], seed=e["seed"],
                            planner_temperature=e["planner_temperature"], judge=judge, world=world)

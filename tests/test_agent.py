@@ -296,3 +296,20 @@ def test_planner_reads_the_memory_as_what_each_step_found(tiny_llm):
     assert "What the earlier steps found:\n- " in second and "Step 2 of at most 2." in second
     found = second.split("What the earlier steps found:")[1]  # the tool cards above name every tool
     assert not any(name in found for name in NAMES)
+
+
+def test_first_tool_probs_are_the_policys_first_token_distribution(tiny_llm):
+    """eval.py --tool-probs reads pi_theta's tool choice off a prefill: each row must be the
+    distribution the sampler draws the first action token from at temperature 1, so the
+    probability it gives the sampled tool is exp of the log-prob the rollout recorded,
+    in a batch of mixed lengths (left padding must not move it)."""
+    agent = make_agent(tiny_llm, max_turns=2)  # first_temperature 0: the first token at temperature 1
+    queries = ["Compute 48213 * 9127.", "When was the town of Velmora founded?",
+               "What is the population of Velmora multiplied by 7?"]
+    probs = agent.first_tool_probs(queries, batch=2)  # two batches, one of them padded
+    assert probs.shape == (3, len(NAMES)) and torch.allclose(probs.sum(-1), torch.ones(3))
+    for q, row in zip(queries, probs):
+        tr = agent.rollout([q] * 6, seed=5)  # six draws of the first tool from one state
+        for t in tr:
+            k = agent.tool_names.index(next(n for n in NAMES if agent.first_token[n] == t.turns[0].action_ids[0]))
+            assert abs(row[k].log().item() - t.turns[0].logprobs[0]) < 1e-4

@@ -470,3 +470,23 @@ def test_eval_sweeps_the_turn_budget_for_frozen_and_trained(tiny_model_dir, tmp_
     assert all(f[b]["n"] == 3 and set(f[b]["by_kind"]) <= {"arithmetic", "lookup", "two_step"} for b in "12")
     table = capsys.readouterr().out
     assert "mean turns" in table and table.count("\nfrozen") == 2
+
+
+def test_eval_tool_probs_for_frozen_and_trained(tiny_model_dir, tmp_path, capsys):
+    """eval.py --tool-probs --model CK: no rollouts, each planner's turn-1 tool probabilities
+    per task kind, printed and written to OUT/tool_probs.json. Given the frozen weights as the
+    'trained' checkpoint, both planners' rows must agree item for item."""
+    out = tmp_path / "probs"
+    args = ["--benchmark", str(ROOT / "data" / "heldout.jsonl"), "--config", str(ROOT / "config.yaml"),
+            "--limit", "5", "--tool-probs", "--model", tiny_model_dir, "--out", str(out),
+            f"model.name={tiny_model_dir}", "model.device=cpu", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
+    assert evaluation.main(args) == 0
+    probs = json.loads((out / "tool_probs.json").read_text())
+    assert probs["tools"] == ["Base_Generator", "Python_Coder", "Local_Search"]
+    (frozen, f), (trained, t) = probs["planners"].items()
+    assert frozen == "frozen" and trained.startswith("trained") and f == t
+    assert sum(s["n"] for s in f.values()) == 5 and set(f) <= {"arithmetic", "lookup", "two_step"}
+    for s in f.values():
+        assert abs(sum(s["mean"].values()) - 1) < 1e-5 and abs(sum(s["greedy"].values()) - 1) < 1e-5
+    assert len(probs["items"]) == 5 and all(row[frozen] == row[trained] for row in probs["items"])
+    assert "mean p / greedy" in capsys.readouterr().out
