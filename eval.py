@@ -42,6 +42,7 @@ from tqdm import tqdm
 import dist
 from benchmarks import Item, load_benchmark, read_jsonl
 from judge import Judge, judge_counts
+from memory import plan_of
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
@@ -116,18 +117,21 @@ def _row(item: Item, traj, verdict: dict, crash: str) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """accuracy, n, mean turns, tool-usage shares, tool-call error rate, items with an
-    infrastructure failure; overall and per task kind."""
+    """accuracy, n, mean turns, tool-usage shares, the plans (share of items per sequence of
+    tools, most common first), tool-call error rate, items with an infrastructure failure;
+    overall and per task kind."""
     def block(rs):
         n = len(rs)
         hit = [r for r in rs if r.get("infra_failures")]  # items whose tools failed us (rows of older runs lack it)
         clean = [r for r in rs if not r.get("infra_failures")]
         calls = Counter(t for r in rs for t in r["tools"])
         n_calls = sum(calls.values())
+        plans = Counter(plan_of(r["tools"]) for r in rs)
         return {"accuracy": sum(r["correct"] for r in rs) / n if n else 0.0, "n": n,
                 "mean_f1": sum(r["f1"] for r in rs) / n if n else 0.0,
                 "mean_turns": sum(r["turns"] for r in rs) / n if n else 0.0,
                 "tool_shares": {t: c / n_calls for t, c in sorted(calls.items())},
+                "plans": {p: c / n for p, c in sorted(plans.items(), key=lambda pc: (-pc[1], pc[0]))},
                 "tool_error_rate": sum(r["tool_errors"] for r in rs) / n_calls if n_calls else 0.0,
                 "crashed": sum(1 for r in rs if any(e.startswith(("crashed", "judge crashed")) for e in r["errors"])),
                 "infra_failures": len(hit), "accuracy_without_infra": sum(r["correct"] for r in clean) / len(clean)

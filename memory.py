@@ -100,6 +100,12 @@ class Memory:
         return cut(text.strip(), self.budget_chars)
 
 
+def plan_of(tools: list[str]) -> str:
+    """The plan a trajectory carried out: the tools its memory records, in order
+    ("Local_Search > Python_Coder"), as evaluation summaries and the report count them."""
+    return " > ".join(tools) or "(no tool)"
+
+
 def _joined_len(blocks: list[str], dropped: int) -> int:
     header = len(f"[turns 1-{dropped} omitted]\n") if dropped else 0
     return header + sum(len(b) for b in blocks) + max(0, len(blocks) - 1)

@@ -48,7 +48,7 @@ from pathlib import Path
 from benchmarks import read_jsonl
 from charts import (SMOOTH_FROM, esc, figure, line_chart, num, pct, shift_chart, smooth_window,
                     stacked_bar_chart)
-from memory import cut
+from memory import cut, plan_of
 from tools import TOOL_CLASSES
 
 MAX_EMBED_STEPS = 40  # trajectory steps embedded in the browser (evenly spaced, first and last kept)
@@ -751,6 +751,7 @@ def section_before_after(run: dict) -> str:
         parts.append('<h3>Other measures</h3><table class="grid"><thead><tr><th></th><th>before</th><th>after</th>'
                      f'<th>Δ</th></tr></thead><tbody>{"".join(more)}</tbody></table>')
         parts.append(tool_share_table(run))
+        parts.append(plan_table(run))
     parts.append(turn_sweep_html(run))
     if b or a:
         parts.append(section_items(run, br, ar))
@@ -795,6 +796,45 @@ def tool_share_table(run: dict) -> str:
                               "kind." + (" On the built-in suite the right tools are Python_Coder for arithmetic, "
                                          "Local_Search for lookup, and Local_Search then Python_Coder for "
                                          "two_step." if suite else "")))
+
+
+def plans_from(summary: dict | None, rows: list | None) -> dict[str, dict[str, float]]:
+    """{task kind ('all' too): {plan: share of items}} from results.jsonl rows when there are
+    any, else from the summary (summaries written before plans were recorded have none)."""
+    if rows:
+        out: dict[str, Counter] = {"all": Counter()}
+        for r in rows:
+            plan = plan_of([str(t) for t in (r.get("tools") or []) if t])
+            out["all"][plan] += 1
+            if r.get("task"):
+                out.setdefault(str(r["task"]), Counter())[plan] += 1
+        return {k: {p: n / sum(c.values()) for p, n in c.items()} for k, c in out.items()}
+    s = summary or {}
+    out = {"all": s.get("plans") or {}}
+    out.update({str(k): v.get("plans") or {} for k, v in (s.get("by_kind") or {}).items() if isinstance(v, dict)})
+    return {k: v for k, v in out.items() if isinstance(v, dict) and v}
+
+
+def plan_table(run: dict) -> str:
+    """Per task kind, the commonest plans (the tools a trajectory called, in order), share
+    of the kind's items before → after: where a second turn shows, or does not."""
+    b, a, br, ar, _ = before_after(run)
+    pb, pa = plans_from(b, br), plans_from(a, ar)
+    kinds = [k for k in ["all"] + sorted((set(pb) | set(pa)) - {"all"}) if pb.get(k) or pa.get(k)]
+    if not kinds:
+        return ""
+    body = []
+    for k in kinds:
+        xb, xa = pb.get(k, {}), pa.get(k, {})
+        top = sorted(set(xb) | set(xa), key=lambda p: (-xa.get(p, 0), -xb.get(p, 0), p))[:4]
+        cells = "".join(f"<td>{esc(p)}: {esc(pct(xb.get(p, 0.0) if k in pb else None))} → "
+                        f"{esc(pct(xa.get(p, 0.0) if k in pa else None))}</td>" for p in top)
+        body.append(f"<tr><th>{esc(k)}</th>{cells}</tr>")
+    return ("<h3>Plans per task kind (before → after)</h3>"
+            f'<table class="grid"><tbody>{"".join(body)}</tbody></table>'
+            + note("A plan is the sequence of tools one trajectory called (“A > B”: A at turn 1, B at turn 2); "
+                   "each cell is its share of the kind's held-out items, the four commonest after training "
+                   "first."))
 
 
 # The held-out item browser: every item with its before and after trajectory, drawn by

@@ -499,7 +499,7 @@ def _mkdir(p: Path) -> Path:
 
 def print_learning_table(result: dict) -> None:
     """The before/after table of learning.json: accuracy, tool shares per task kind,
-    tool-call error rate, mean turns."""
+    tool-call error rate, mean turns, and per kind the mean turns and the commonest plans."""
     b, a = result["before"], result["after"]
     blocks = [("overall", b, a)] + [(k, b["by_kind"][k], a["by_kind"][k]) for k in sorted(a.get("by_kind", {}))]
     print(f"\nHeld-out, frozen planner (before) vs Flow-GRPO planner (after)")
@@ -514,6 +514,14 @@ def print_learning_table(result: dict) -> None:
         tools = sorted(set(x["tool_shares"]) | set(y["tool_shares"]))
         print(f"  {name:12s}" + "   ".join(f"{t} {x['tool_shares'].get(t, 0):.2f} -> {y['tool_shares'].get(t, 0):.2f}"
                                           for t in tools))
+    # Whether the planner learned to plan over turns shows in the sequences of tools, per
+    # kind: on the built-in suite a two_step question needs "Local_Search > Python_Coder".
+    print("mean turns and plans (the tools in order: share of items), before -> after:")
+    for name, x, y in blocks[1:] or blocks:
+        xp, yp = x.get("plans", {}), y.get("plans", {})
+        top = sorted(set(xp) | set(yp), key=lambda p: (-yp.get(p, 0), -xp.get(p, 0), p))[:3]
+        print(f"  {name:12s}turns {x['mean_turns']:.2f} -> {y['mean_turns']:.2f}   "
+              + "   ".join(f"{p} {xp.get(p, 0):.2f} -> {yp.get(p, 0):.2f}" for p in top))
 
 
 if __name__ == "__main__":

@@ -577,6 +577,37 @@ def test_flipped_items(tmp_path):
     assert "Wilson score interval" in plain and "McNemar" in plain
 
 
+def test_plans_per_kind(tmp_path, capsys):
+    """A plan is the tools of one trajectory in order. The summary's shares, the train.py
+    table and the report's table all count them from the same held-out rows."""
+    from memory import plan_of
+    from train import print_learning_table
+    assert plan_of(["Local_Search", "Python_Coder"]) == "Local_Search > Python_Coder"
+    assert plan_of([]) == "(no tool)"
+    out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
+    before, after = results(out, 0), results(out, 2)
+    summary = summarize(after)
+    for kind in TASKS:
+        rows = [r for r in after if r["task"] == kind]
+        want = Counter(" > ".join(r["tools"]) or "(no tool)" for r in rows)
+        got = summary["by_kind"][kind]["plans"]
+        assert got == {p: n / len(rows) for p, n in want.items()}
+        assert list(got.values()) == sorted(got.values(), reverse=True)  # most common first
+    # The console table: mean turns and the commonest plans per kind, before -> after.
+    print_learning_table({"before": summarize(before), "after": summary})
+    lines = capsys.readouterr().out.splitlines()
+    i = lines.index("mean turns and plans (the tools in order: share of items), before -> after:")
+    two = next(line for line in lines[i:] if line.split()[0] == "two_step")
+    top = next(iter(summary["by_kind"]["two_step"]["plans"]))
+    assert f"turns {summarize(before)['by_kind']['two_step']['mean_turns']:.2f} -> " in two
+    assert f"{top} " in two and f" -> {summary['by_kind']['two_step']['plans'][top]:.2f}" in two
+    # The report's table, from results.jsonl, with the before share of the same plan.
+    plain = " ".join(check_html(report.write_report(out).read_text(encoding="utf-8")).text)
+    assert "Plans per task kind (before → after)" in plain
+    b_two = summarize(before)["by_kind"]["two_step"]["plans"].get(top, 0.0)
+    assert f"{top}: {100 * b_two:.1f}% → {100 * summary['by_kind']['two_step']['plans'][top]:.1f}%" in plain
+
+
 def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
     import atexit
     out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
