@@ -2,7 +2,7 @@
 
     python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
                    [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
-                   [--sweep 1,2,3] [--tool-probs]
+                   [--sweep 1,2,3] [--tool-probs] [--tool-gradients]
     torchrun --nproc_per_node K eval.py --benchmark ...      the items shared by K processes
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
@@ -18,6 +18,10 @@ the denominator: leaving it out would drop exactly the items where the tools fai
 flatter the accuracy, as dropping crashed problems does. Its row counts the failures
 (infra_failures), and the summary gives how many items had one and the accuracy over
 the others (accuracy_without_infra), so a reader sees what the outage cost.
+
+Two diagnostics run no rollouts: --tool-probs (each planner's first-tool probabilities per
+task kind) and --tool-gradients (how far a step that favours one tool on one kind's
+questions moves the other kinds', the reason the default's two_step follows arithmetic).
 
 Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
 tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
@@ -197,6 +201,77 @@ def print_tool_probs(probs: dict) -> None:
                   "".join(f"{s['mean'][t]:11.2f} / {s['greedy'][t]:4.2f}" for t in tools))
 
 
+def tool_gradients(agent, items: list[Item], max_turns: int, train_layers: int, tools: tuple[str, str]) -> dict:
+    """How question-specific the planner's update of its first tool is, per task kind.
+
+    For each question q, the turn-1 margin m(q) = log p(A|q) - log p(B|q) (the softmax at
+    temperature 1 over the tools' first tokens, as the sampler restricts it; A, B = `tools`)
+    and its gradient g_q over the weights training updates (optim.select_trainable with
+    `train_layers`). Each kind's questions are dealt alternately into two halves. A step
+    along U_K = mean of g_q over the first half of kind K raises m on question q by
+    eta * g_q . U_K to first order; on the second half of each kind J that is
+    effect[K][J] = mean g_q . U_K, and ratio[K][J] = effect[K][J] / effect[K][K]. Ratios near
+    1 everywhere say a step moves every kind's margin alike: training can then only shift
+    the margins together, the boundary settles between the kinds whose rewards pull apart,
+    and a kind keeps the side its starting margin puts it on. That is the default's
+    two_step: its margin starts next to arithmetic's (docs/LOG.md, issue 12). Gradients in
+    the model's dtype, products in float32. {"tools", "kinds", "n", "margin", "effect", "ratio"}"""
+    import torch
+
+    from memory import Memory
+    from optim import select_trainable
+
+    model = agent.planner.model
+    params = select_trainable(model, train_layers)
+    first = [agent.first_token[n] for n in agent.tool_names]  # the restricted softmax's ids
+    a, b = agent.tool_names.index(tools[0]), agent.tool_names.index(tools[1])
+    by_kind: dict[str, list[str]] = {}
+    for it in items:
+        by_kind.setdefault(it.meta.get("task") or "all", []).append(it.question)
+    kinds = sorted(k for k, qs in by_kind.items() if len(qs) >= 2)
+    margins: dict[str, list[float]] = {k: [] for k in kinds}
+
+    def grad(q: str, kind: str) -> torch.Tensor:
+        """g_q, flat float32 [n_trained]; records m(q) under its kind."""
+        ids = agent.planner_prompt(q, Memory(agent.cfg.memory_budget_chars, agent.cfg.result_chars), 1, max_turns)
+        model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            logits = model(torch.tensor([ids], device=agent.planner.device)).logits[0, -1, first]  # [K]
+            lp = torch.log_softmax(logits.float(), dim=-1)  # [K]
+            (lp[a] - lp[b]).backward()
+        margins[kind].append((lp[a] - lp[b]).item())
+        return torch.cat([p.grad.float().flatten() for p in params])  # [n_trained]
+
+    update = {}  # U_K, [n_trained] each
+    for kind in kinds:
+        qs = by_kind[kind][0::2]
+        update[kind] = sum(grad(q, kind) for q in qs) / len(qs)
+    effect = {k: {} for k in kinds}
+    for kind in kinds:
+        qs = by_kind[kind][1::2]
+        dots = torch.zeros(len(kinds))
+        for q in qs:
+            g = grad(q, kind)
+            dots += torch.stack([g @ update[k] for k in kinds]).cpu()
+        for k, d in zip(kinds, (dots / len(qs)).tolist()):
+            effect[k][kind] = d
+    model.zero_grad(set_to_none=True)
+    return {"tools": list(tools), "kinds": kinds, "n": {k: len(by_kind[k]) for k in kinds},
+            "margin": {k: sum(v) / len(v) for k, v in margins.items()}, "effect": effect,
+            "ratio": {k: {j: effect[k][j] / effect[k][k] for j in kinds} for k in kinds}}
+
+
+def print_tool_gradients(label: str, g: dict) -> None:
+    kinds = g["kinds"]
+    a, b = g["tools"]
+    print(f"\n{label}: turn-1 margin log p({a}) - log p({b}), mean per kind: " +
+          "   ".join(f"{k} {g['margin'][k]:+.2f}" for k in kinds))
+    print(f"a step that raises it on the kind of the row moves each kind's margin (the row's own = 1):")
+    print(f"{'':14s}" + "".join(f"{k:>12s}" for k in kinds))
+    for k in kinds:
+        print(f"{k:14.14s}" + "".join(f"{g['ratio'][k][j]:12.2f}" for j in kinds))
+
+
 def build_agent(cfg: dict, model_path: str | None = None, world=dist.SINGLE):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
     or the configured model; executor, verifier and generator always the configured one."""
@@ -235,6 +310,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tool-probs", action="store_true", help="no rollouts: each planner's turn-1 "
                     "probabilities over the tools per task kind (the frozen one and, with --model, the "
                     "trained one); prints the table and writes OUT/tool_probs.json")
+    ap.add_argument("--tool-gradients", default="", metavar="A,B", help="no rollouts: how far a step that "
+                    "favours tool A over B on one task kind's questions moves the others' (tool_gradients), "
+                    "for the frozen planner and, with --model, the trained one; e.g. Local_Search,Python_Coder")
     ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
@@ -263,7 +341,7 @@ def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
         return 2
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     e = cfg["eval"]
-    if args.sweep or args.tool_probs:
+    if args.sweep or args.tool_probs or args.tool_gradients:
         from agentflow import AgentSystem
 
         planners = {"frozen": AgentSystem(agent.frozen, agent.frozen, agent.tools, agent.cfg)}
@@ -276,6 +354,21 @@ def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
             (Path(out) / "tool_probs.json").write_text(json.dumps(probs, indent=1) + "\n")
             print_tool_probs(probs)
             print(f"written to {out}/tool_probs.json")
+        return 0
+    if args.tool_gradients:
+        pair = tuple(n.strip() for n in args.tool_gradients.split(","))
+        if len(pair) != 2 or not all(n in agent.tool_names for n in pair):
+            print(f"error: --tool-gradients takes two tools of agent.tools ({', '.join(agent.tool_names)}), "
+                  f"as A,B; got {args.tool_gradients!r}", file=sys.stderr)
+            return 2
+        if world.main:  # one process does it all
+            grads = {label: tool_gradients(p, items, args.max_turns or e["max_turns"], cfg["train"]["train_layers"],
+                                           pair) for label, p in planners.items()}
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "tool_gradients.json").write_text(json.dumps(grads, indent=1) + "\n")
+            for label, g in grads.items():
+                print_tool_gradients(label, g)
+            print(f"written to {out}/tool_gradients.json")
         return 0
     if args.sweep:
         budgets = [int(b) for b in args.sweep.split(",")]

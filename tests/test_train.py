@@ -490,3 +490,95 @@ def test_eval_tool_probs_for_frozen_and_trained(tiny_model_dir, tmp_path, capsys
         assert abs(sum(s["mean"].values()) - 1) < 1e-5 and abs(sum(s["greedy"].values()) - 1) < 1e-5
     assert len(probs["items"]) == 5 and all(row[frozen] == row[trained] for row in probs["items"])
     assert "mean p / greedy" in capsys.readouterr().out
+
+
+def _margins(agent, questions, first_a_b, max_turns=2):
+    """m(q) = log p(A|q) - log p(B|q), the tool softmax of the turn-1 prompt: [n] float64."""
+    from memory import Memory
+    first = [agent.first_token[n] for n in agent.tool_names]
+    a, b = (agent.tool_names.index(n) for n in first_a_b)
+    out = []
+    for q in questions:
+        ids = agent.planner_prompt(q, Memory(agent.cfg.memory_budget_chars, agent.cfg.result_chars), 1, max_turns)
+        lp = torch.log_softmax(agent.planner.model(torch.tensor([ids])).logits[0, -1, first].double(), -1)
+        out.append(lp[a] - lp[b])
+    return torch.stack(out)
+
+
+def _gradient_agent(model_dir, dtype):
+    from agentflow import LLM, AgentSystem, agent_config, load_model
+    from tools import build_tools
+    model, tok = load_model(model_dir, "cpu", dtype)
+    llm = LLM(model, tok)
+    cfg = load_config(None, [])
+    tools = build_tools(cfg["agent"]["tools"], {"corpus": str(ROOT / "data" / "corpus.jsonl")})
+    return AgentSystem(llm, llm, tools, agent_config(cfg["agent"]))
+
+
+PAIR = ("Local_Search", "Python_Coder")
+
+
+def _gradient_items():
+    from benchmarks import load_benchmark
+    return [it for it in load_benchmark(str(ROOT / "data" / "heldout.jsonl")) if it.meta["task"] != "two_step"][:8]
+
+
+def test_tool_gradients_predict_what_a_step_does(tiny_model_dir):
+    """eval.tool_gradients' effect[K][J] is the first-order change of kind J's mean margin
+    (over its second half) per unit step along U_K, the gradient of kind K's mean margin
+    (over its first half). Checked against a real step of the trained weights, U_K from
+    one backward of the mean margin, and the margins recomputed after the step."""
+    from optim import select_trainable
+    agent, items = _gradient_agent(tiny_model_dir, "float32"), _gradient_items()
+    g = evaluation.tool_gradients(agent, items, 2, 1, PAIR)
+    kinds = g["kinds"]
+    assert kinds == ["arithmetic", "lookup"] and g["n"] == {"arithmetic": 4, "lookup": 4}
+    assert all(g["ratio"][k][k] == 1.0 for k in kinds)
+    qs = {k: [it.question for it in items if it.meta["task"] == k] for k in kinds}
+    model = agent.planner.model
+    params = select_trainable(model, 1)
+    for k in kinds:
+        model.zero_grad()
+        _margins(agent, qs[k][0::2], PAIR).mean().backward()
+        step = [p.grad.clone() for p in params]
+        with torch.no_grad():
+            before = {j: float(_margins(agent, qs[j][1::2], PAIR).mean()) for j in kinds}
+            eta = 0.01 / g["effect"][k][k]  # a step that moves K's margin by about 0.01
+            for p, s in zip(params, step):
+                p.add_(eta * s)
+            for j in kinds:
+                moved = (float(_margins(agent, qs[j][1::2], PAIR).mean()) - before[j]) / eta
+                assert abs(moved - g["effect"][k][j]) <= 0.05 * abs(g["effect"][k][j]), (k, j, moved, g["effect"])
+            for p, s in zip(params, step):
+                p.sub_(eta * s)
+
+
+def test_tool_gradients_in_bfloat16_agree_with_float32(tiny_model_dir):
+    """The dtype a GPU run uses: the same weights in bfloat16 give the same margins, effects
+    and ratios as in float32, to bfloat16's precision."""
+    items = _gradient_items()
+    f32, b16 = (evaluation.tool_gradients(_gradient_agent(tiny_model_dir, d), items, 2, 1, PAIR)
+                for d in ("float32", "bfloat16"))
+    for k in f32["kinds"]:
+        assert abs(b16["margin"][k] - f32["margin"][k]) < 0.1
+        for j in f32["kinds"]:
+            assert abs(b16["effect"][k][j] - f32["effect"][k][j]) <= 0.1 * abs(f32["effect"][k][j]), (b16, f32)
+            assert abs(b16["ratio"][k][j] - f32["ratio"][k][j]) < 0.1
+
+
+def test_eval_tool_gradients_for_frozen_and_trained(tiny_model_dir, tmp_path, capsys):
+    """eval.py --tool-gradients A,B --model CK: the table for each planner, written to
+    OUT/tool_gradients.json; the same weights give the same table. A pair that is not two
+    of the agent's tools is a clear error."""
+    out = tmp_path / "grads"
+    base = ["--benchmark", str(ROOT / "data" / "heldout.jsonl"), "--config", str(ROOT / "config.yaml"),
+            "--limit", "8", "--model", tiny_model_dir, "--out", str(out), f"model.name={tiny_model_dir}",
+            "model.device=cpu", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
+    assert evaluation.main(base + ["--tool-gradients", "Local_Search,Web_Search"]) == 2
+    assert "two tools of agent.tools" in capsys.readouterr().err
+    assert evaluation.main(base + ["--tool-gradients", "Local_Search,Python_Coder"]) == 0
+    grads = json.loads((out / "tool_gradients.json").read_text())
+    (frozen, f), (trained, t) = grads.items()
+    assert frozen == "frozen" and trained.startswith("trained") and f == t
+    assert f["tools"] == ["Local_Search", "Python_Coder"] and set(f["kinds"]) <= {"arithmetic", "lookup", "two_step"}
+    assert "moves each kind's margin" in capsys.readouterr().out
