@@ -2,7 +2,7 @@
 
     python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
                    [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
-                   [--sweep 1,2,3] [--tool-probs] [--tool-gradients]
+                   [--sweep 1,2,3] [--tool-probs] [--tool-gradients A,B]
     torchrun --nproc_per_node K eval.py --benchmark ...      the items shared by K processes
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
@@ -266,7 +266,7 @@ def print_tool_gradients(label: str, g: dict) -> None:
     a, b = g["tools"]
     print(f"\n{label}: turn-1 margin log p({a}) - log p({b}), mean per kind: " +
           "   ".join(f"{k} {g['margin'][k]:+.2f}" for k in kinds))
-    print(f"a step that raises it on the kind of the row moves each kind's margin (the row's own = 1):")
+    print("a step that raises it on the kind of the row moves each kind's margin (the row's own = 1):")
     print(f"{'':14s}" + "".join(f"{k:>12s}" for k in kinds))
     for k in kinds:
         print(f"{k:14.14s}" + "".join(f"{g['ratio'][k][j]:12.2f}" for j in kinds))
@@ -334,6 +334,11 @@ def main(argv=None) -> int:
 
 def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
     from sandbox import SandboxError
+    pair = tuple(n.strip() for n in args.tool_gradients.split(",")) if args.tool_gradients else ()
+    if pair and (len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(cfg["agent"]["tools"])):
+        print(f"error: --tool-gradients takes two different tools of agent.tools "
+              f"({', '.join(cfg['agent']['tools'])}) as A,B; got {args.tool_gradients!r}", file=sys.stderr)
+        return 2
     try:
         agent = build_agent(cfg, args.model, world)
     except SandboxError as e:
@@ -356,11 +361,6 @@ def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
             print(f"written to {out}/tool_probs.json")
         return 0
     if args.tool_gradients:
-        pair = tuple(n.strip() for n in args.tool_gradients.split(","))
-        if len(pair) != 2 or not all(n in agent.tool_names for n in pair):
-            print(f"error: --tool-gradients takes two tools of agent.tools ({', '.join(agent.tool_names)}), "
-                  f"as A,B; got {args.tool_gradients!r}", file=sys.stderr)
-            return 2
         if world.main:  # one process does it all
             grads = {label: tool_gradients(p, items, args.max_turns or e["max_turns"], cfg["train"]["train_layers"],
                                            pair) for label, p in planners.items()}

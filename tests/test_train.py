@@ -574,8 +574,9 @@ def test_eval_tool_gradients_for_frozen_and_trained(tiny_model_dir, tmp_path, ca
     base = ["--benchmark", str(ROOT / "data" / "heldout.jsonl"), "--config", str(ROOT / "config.yaml"),
             "--limit", "8", "--model", tiny_model_dir, "--out", str(out), f"model.name={tiny_model_dir}",
             "model.device=cpu", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
-    assert evaluation.main(base + ["--tool-gradients", "Local_Search,Web_Search"]) == 2
-    assert "two tools of agent.tools" in capsys.readouterr().err
+    for bad in ("Local_Search,Web_Search", "Local_Search,Local_Search", "Local_Search"):
+        assert evaluation.main(base + ["--tool-gradients", bad]) == 2
+        assert "two different tools of agent.tools" in capsys.readouterr().err
     assert evaluation.main(base + ["--tool-gradients", "Local_Search,Python_Coder"]) == 0
     grads = json.loads((out / "tool_gradients.json").read_text())
     (frozen, f), (trained, t) = grads.items()
