@@ -229,10 +229,10 @@ def tool_gradients(agent, items: list[Item], max_turns: int, train_layers: int, 
     for it in items:
         by_kind.setdefault(it.meta.get("task") or "all", []).append(it.question)
     kinds = sorted(k for k, qs in by_kind.items() if len(qs) >= 2)
-    margins: dict[str, list[float]] = {k: [] for k in kinds}
+    margins: dict[str, list[float]] = {k: [] for k in kinds}  # m(q), both halves
 
     def grad(q: str, kind: str) -> torch.Tensor:
-        """g_q, flat float32 [n_trained]; records m(q) under its kind."""
+        """g_q, flat float32 [n_trained]; m(q) goes to margins[kind]."""
         ids = agent.planner_prompt(q, Memory(agent.cfg.memory_budget_chars, agent.cfg.result_chars), 1, max_turns)
         model.zero_grad(set_to_none=True)
         with torch.enable_grad():
