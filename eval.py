@@ -2,7 +2,7 @@
 
     python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
                    [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
-                   [--sweep 1,2,3] [--tool-probs] [--tool-gradients A,B]
+                   [--sweep 1,2,3]
     torchrun --nproc_per_node K eval.py --benchmark ...      the items shared by K processes
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
@@ -19,15 +19,11 @@ flatter the accuracy, as dropping crashed problems does. Its row counts the fail
 (infra_failures), and the summary gives how many items had one and the accuracy over
 the others (accuracy_without_infra), so a reader sees what the outage cost.
 
-Two diagnostics run no rollouts: --tool-probs (each planner's first-tool probabilities per
-task kind) and --tool-gradients (how far a step that favours one tool on one kind's
-questions moves the other kinds', the reason the default's two_step follows arithmetic).
-
 Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
 tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
 id is already in results.jsonl are skipped, so an interrupted evaluation loses nothing.
 
-Under torchrun (dist.py) the batches are dealt to the ranks in turn, each batch exactly
+Under torchrun (ranks.py) the batches are dealt to the ranks in turn, each batch exactly
 the one a single process would run, with the same seed; rank 0 gathers every round's rows
 and writes them in item order. So K ranks write the rows one process writes (the same
 rows, when the ranks compute as that process does: same weights, threads and kernels),
@@ -41,17 +37,23 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-import dist
-from benchmarks import Item, load_benchmark, read_jsonl
+from agentflow import LLM, AgentSystem, agent_config
 from judge import Judge, judge_counts
-from memory import plan_of
+from support import ranks
+from support.config import ConfigError, load_config, preflight
+from support.datasets import Item, load_benchmark, read_jsonl
+from support.models import load_model
+from support.sandbox import SandboxError
+from support.text import plan_of
+from tools import build_tools, check_toolset
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
              seed: int = 0, planner_temperature: float | None = None, desc: str = "eval",
-             judge: Judge | None = None, world=dist.SINGLE) -> dict:
+             judge: Judge | None = None, world=ranks.SINGLE) -> dict:
     """Run `agent` (an agentflow.AgentSystem) on `items` in lockstep batches; write and
     return the summary. Every batch is appended to results.jsonl as soon as it is done
     (under torchrun: every round of one batch per rank, by rank 0; every rank returns
@@ -93,7 +95,6 @@ def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge
     try:
         trajs = agent.rollout([it.question for it in batch], seed=seed, max_turns=max_turns)
     except Exception as e:  # a crash costs the batch, not the run; each item says why
-        import torch
         if isinstance(e, torch.OutOfMemoryError):  # not the items' fault: the run must stop and say so
             raise
         return [_row(it, None, {"correct": False, "f1": 0.0, "extracted": ""},
@@ -169,117 +170,9 @@ def print_sweep(sweep: dict) -> None:
                   "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
 
 
-def tool_probs(planners: dict, items: list[Item], max_turns: int) -> dict:
-    """Each planner's turn-1 distribution over the tools (AgentSystem.first_tool_probs), per
-    task kind: the mean probability of each tool and the share of questions where it is the
-    greedy choice. What the held-out accuracy hides: a question decided at 0.51 and one at
-    0.99 look the same there. {"tools", "planners": {label: {kind: {...}}}, "items": [...]}"""
-    kinds = sorted({it.meta.get("task") or "all" for it in items})
-    result = {"tools": [], "planners": {}, "items": [{"id": it.id, "task": it.meta.get("task", "")} for it in items]}
-    for label, agent in planners.items():
-        p = agent.first_tool_probs([it.question for it in items], max_turns)  # [n, K]
-        result["tools"] = agent.tool_names
-        for row, probs in zip(result["items"], p.tolist()):
-            row[label] = [round(x, 4) for x in probs]
-        per = result["planners"][label] = {}
-        for kind in kinds:
-            rows = [k for k, it in enumerate(items) if (it.meta.get("task") or "all") == kind]
-            q = p[rows]  # [n_kind, K]
-            greedy = q.argmax(-1)  # [n_kind]
-            per[kind] = {"n": len(rows), "mean": dict(zip(agent.tool_names, q.mean(0).tolist())),
-                         "greedy": {n: (greedy == k).float().mean().item() for k, n in enumerate(agent.tool_names)}}
-    return result
-
-
-def print_tool_probs(probs: dict) -> None:
-    tools = probs["tools"]
-    print(f"\n{'planner':24s}{'kind':>12s}{'n':>5s}" + "".join(f"{t:>18s}" for t in tools))
-    print(f"{'':41s}" + "".join(f"{'mean p / greedy':>18s}" for _ in tools))
-    for label, per in probs["planners"].items():
-        for kind, s in per.items():
-            print(f"{label:24.24s}{kind:>12s}{s['n']:5d}" +
-                  "".join(f"{s['mean'][t]:11.2f} / {s['greedy'][t]:4.2f}" for t in tools))
-
-
-def tool_gradients(agent, items: list[Item], max_turns: int, train_layers: int, tools: tuple[str, str]) -> dict:
-    """How question-specific the planner's update of its first tool is, per task kind.
-
-    For each question q, the turn-1 margin m(q) = log p(A|q) - log p(B|q) (the softmax at
-    temperature 1 over the tools' first tokens, as the sampler restricts it; A, B = `tools`)
-    and its gradient g_q over the weights training updates (optim.select_trainable with
-    `train_layers`). Each kind's questions are dealt alternately into two halves. A step
-    along U_K = mean of g_q over the first half of kind K raises m on question q by
-    eta * g_q . U_K to first order; on the second half of each kind J that is
-    effect[K][J] = mean g_q . U_K, and ratio[K][J] = effect[K][J] / effect[K][K]. Ratios near
-    1 everywhere say a step moves every kind's margin alike: training can then only shift
-    the margins together, the boundary settles between the kinds whose rewards pull apart,
-    and a kind keeps the side its starting margin puts it on. That is the default's
-    two_step: its margin starts next to arithmetic's (docs/LOG.md, issue 12). Gradients in
-    the model's dtype, products in float32. {"tools", "kinds", "n", "margin", "effect", "ratio"}"""
-    import torch
-
-    from memory import Memory
-    from optim import select_trainable
-
-    model = agent.planner.model
-    params = select_trainable(model, train_layers)
-    first = [agent.first_token[n] for n in agent.tool_names]  # the restricted softmax's ids
-    a, b = agent.tool_names.index(tools[0]), agent.tool_names.index(tools[1])
-    by_kind: dict[str, list[str]] = {}
-    for it in items:
-        by_kind.setdefault(it.meta.get("task") or "all", []).append(it.question)
-    kinds = sorted(k for k, qs in by_kind.items() if len(qs) >= 2)
-    margins: dict[str, list[float]] = {k: [] for k in kinds}  # m(q), both halves
-
-    def grad(q: str, kind: str) -> torch.Tensor:
-        """g_q, flat float32 [n_trained]; m(q) goes to margins[kind]."""
-        ids = agent.planner_prompt(q, Memory(agent.cfg.memory_budget_chars, agent.cfg.result_chars), 1, max_turns)
-        model.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            logits = model(torch.tensor([ids], device=agent.planner.device)).logits[0, -1, first]  # [K]
-            lp = torch.log_softmax(logits.float(), dim=-1)  # [K]
-            (lp[a] - lp[b]).backward()
-        margins[kind].append((lp[a] - lp[b]).item())
-        return torch.cat([p.grad.float().flatten() for p in params])  # [n_trained]
-
-    update = {}  # U_K, [n_trained] each
-    for kind in kinds:
-        qs = by_kind[kind][0::2]
-        update[kind] = sum(grad(q, kind) for q in qs) / len(qs)
-    effect = {k: {} for k in kinds}
-    for kind in kinds:
-        qs = by_kind[kind][1::2]
-        dots = torch.zeros(len(kinds))
-        for q in qs:
-            g = grad(q, kind)
-            dots += torch.stack([g @ update[k] for k in kinds]).cpu()
-        for k, d in zip(kinds, (dots / len(qs)).tolist()):
-            effect[k][kind] = d
-    model.zero_grad(set_to_none=True)
-    return {"tools": list(tools), "kinds": kinds, "n": {k: len(by_kind[k]) for k in kinds},
-            "margin": {k: sum(v) / len(v) for k, v in margins.items()}, "effect": effect,
-            "ratio": {k: {j: effect[k][j] / effect[k][k] for j in kinds} for k in kinds}}
-
-
-def print_tool_gradients(label: str, g: dict) -> None:
-    kinds = g["kinds"]
-    a, b = g["tools"]
-    print(f"\n{label}: turn-1 margin log p({a}) - log p({b}), mean per kind: " +
-          "   ".join(f"{k} {g['margin'][k]:+.2f}" for k in kinds))
-    print("a step that raises it on the kind of the row moves each kind's margin (the row's own = 1):")
-    print(f"{'':14s}" + "".join(f"{k:>12s}" for k in kinds))
-    for k in kinds:
-        print(f"{k:14.14s}" + "".join(f"{g['ratio'][k][j]:12.2f}" for j in kinds))
-
-
-def build_agent(cfg: dict, model_path: str | None = None, world=dist.SINGLE):
+def build_agent(cfg: dict, model_path: str | None = None, world=ranks.SINGLE):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
     or the configured model; executor, verifier and generator always the configured one."""
-    import torch
-
-    from agentflow import LLM, AgentSystem, agent_config, load_model
-    from tools import build_tools
-
     m = cfg["model"]
     if m["threads"]:
         torch.set_num_threads(m["threads"])
@@ -292,87 +185,70 @@ def build_agent(cfg: dict, model_path: str | None = None, world=dist.SINGLE):
     return AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
 
 
-def main(argv=None) -> int:
-    from config import ConfigError, load_config, preflight
-
-    ap = argparse.ArgumentParser(description="Run the AgentFlow agent on a benchmark file and score it.")
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The command line of eval.py and of the commands that probe a planner on a benchmark
+    file (scripts/probe_tools.py): the file, the config and its overrides, the planner."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--benchmark", required=True, help="a JSON benchmark file or a JSONL task file")
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--limit", type=int, default=0, help="only the first N items (0 = all)")
     ap.add_argument("--max-turns", type=int, default=0, help="turn budget (0 = eval.max_turns of the config)")
-    ap.add_argument("--batch-size", type=int, default=0, help="trajectories in lockstep (0 = config)")
     ap.add_argument("--model", default=None, help="a trained planner checkpoint (default: the config's model)")
+    ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    return ap
+
+
+def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], str]:
+    """(config, items, output folder) of a command line made by `arguments`; a bad config,
+    toolset or benchmark file raises ConfigError, FileNotFoundError or ValueError."""
+    cfg = load_config(args.config, args.overrides + list(extra_overrides))
+    preflight(cfg, data=False, model_paths=(args.model,) if args.model else ())
+    check_toolset(cfg)
+    items = load_benchmark(args.benchmark, limit=args.limit or None)
+    return cfg, items, args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
+
+
+def planners(agent, model_path: str | None) -> dict:
+    """The planners a comparison runs: the frozen one (the configured model) and, given a
+    trained checkpoint, `agent`'s, which samples from it; by label."""
+    out = {"frozen": AgentSystem(agent.frozen, agent.frozen, agent.tools, agent.cfg)}
+    if model_path:
+        out[f"trained ({Path(model_path).name})"] = agent
+    return out
+
+
+def main(argv=None) -> int:
+    ap = arguments("Run the AgentFlow agent on a benchmark file and score it.")
+    ap.add_argument("--batch-size", type=int, default=0, help="trajectories in lockstep (0 = config)")
     ap.add_argument("--force-tool", default="", help="every planner action picks this tool: what "
                     "each tool choice is worth (the README's table)")
     ap.add_argument("--sweep", default="", help="turn budgets, e.g. 1,2,3: the paper's test-time analysis. "
                     "Evaluates the configured (frozen) planner and, with --model, the trained one at each "
                     "budget; prints the table and writes OUT_DIR/turn_sweep.json (the run's report shows it)")
-    ap.add_argument("--tool-probs", action="store_true", help="no rollouts: each planner's turn-1 "
-                    "probabilities over the tools per task kind (the frozen one and, with --model, the "
-                    "trained one); prints the table and writes OUT/tool_probs.json")
-    ap.add_argument("--tool-gradients", default="", metavar="A,B", help="no rollouts: how far a step that "
-                    "favours tool A over B on one task kind's questions moves the others' (tool_gradients), "
-                    "for the frozen planner and, with --model, the trained one; e.g. Local_Search,Python_Coder")
-    ap.add_argument("--out", default=None, help="output folder (default: OUT_DIR/eval/<benchmark name>)")
-    ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides + ([f"agent.force_tool={args.force_tool}"]
-                                                         if args.force_tool else []))
-        preflight(cfg, data=False, model_paths=(args.model,) if args.model else ())
-        items = load_benchmark(args.benchmark, limit=args.limit or None)
+        cfg, items, out = load_run(args, [f"agent.force_tool={args.force_tool}"] if args.force_tool else [])
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
-    world = dist.init(cfg["model"]["device"])  # dist.SINGLE without torchrun
+    world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
     try:
-        return _main(args, cfg, items, out, world)
-    finally:
-        dist.shutdown()
-
-
-def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
-    from sandbox import SandboxError
-    pair = tuple(n.strip() for n in args.tool_gradients.split(",")) if args.tool_gradients else ()
-    if pair and (len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(cfg["agent"]["tools"])):
-        print(f"error: --tool-gradients takes two different tools of agent.tools "
-              f"({', '.join(cfg['agent']['tools'])}) as A,B; got {args.tool_gradients!r}", file=sys.stderr)
-        return 2
-    try:
-        agent = build_agent(cfg, args.model, world)
-    except SandboxError as e:
+        return _main(args, cfg, items, out, build_agent(cfg, args.model, world), world)
+    except SandboxError as e:  # raised only while the tools are built: this machine cannot run them
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        ranks.shutdown()
+
+
+def _main(args, cfg: dict, items: list[Item], out: str, agent, world) -> int:
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     e = cfg["eval"]
-    if args.sweep or args.tool_probs or args.tool_gradients:
-        from agentflow import AgentSystem
-
-        planners = {"frozen": AgentSystem(agent.frozen, agent.frozen, agent.tools, agent.cfg)}
-        if args.model:
-            planners[f"trained ({Path(args.model).name})"] = agent
-    if args.tool_probs:
-        if world.main:  # prefill only: one process does it all
-            probs = tool_probs(planners, items, args.max_turns or e["max_turns"])
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "tool_probs.json").write_text(json.dumps(probs, indent=1) + "\n")
-            print_tool_probs(probs)
-            print(f"written to {out}/tool_probs.json")
-        return 0
-    if args.tool_gradients:
-        if world.main:  # one process does it all
-            grads = {label: tool_gradients(p, items, args.max_turns or e["max_turns"], cfg["train"]["train_layers"],
-                                           pair) for label, p in planners.items()}
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "tool_gradients.json").write_text(json.dumps(grads, indent=1) + "\n")
-            for label, g in grads.items():
-                print_tool_gradients(label, g)
-            print(f"written to {out}/tool_gradients.json")
-        return 0
     if args.sweep:
         budgets = [int(b) for b in args.sweep.split(",")]
-        sweep = turn_sweep(planners, items, budgets, Path(out).parent / f"sweep_{Path(args.benchmark).stem}",
+        sweep = turn_sweep(planners(agent, args.model), items, budgets,
+                           Path(out).parent / f"sweep_{Path(args.benchmark).stem}",
                            batch_size=args.batch_size or e["batch_size"], seed=e["seed"],
                            planner_temperature=e["planner_temperature"], judge=judge, world=world)
         if world.main:
@@ -383,9 +259,9 @@ def _main(args, cfg: dict, items: list[Item], out: str, world) -> int:
             print(f"written to {path}")
         return 0
     t0 = time.time()
-    summary = evaluate(agent, items, out, batch_size=args.batch_size or cfg["eval"]["batch_size"],
-                       max_turns=args.max_turns or cfg["eval"]["max_turns"], seed=cfg["eval"]["seed"],
-                       planner_temperature=cfg["eval"]["planner_temperature"], judge=judge, world=world)
+    summary = evaluate(agent, items, out, batch_size=args.batch_size or e["batch_size"],
+                       max_turns=args.max_turns or e["max_turns"], seed=e["seed"],
+                       planner_temperature=e["planner_temperature"], judge=judge, world=world)
     if not world.main:
         return 0
     print(json.dumps(summary, indent=2))

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-import dist
-import optim
-import speedups
+from support import ranks
+from support import optim
+from support import speed
 from agentflow import SamplingParams
 
 
@@ -143,7 +143,7 @@ def action_logits(model, rows: list[TurnRow], pad_id: int) -> torch.Tensor:
     dev = next(model.parameters()).device
     seqs = [r.prompt_ids + r.action_ids for r in rows]
     La = max(len(r.action_ids) for r in rows)
-    ids, mask = speedups.left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
+    ids, mask = speed.left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, S] each token's position in its own sequence
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=La + 1).logits
     return logits[:, :-1, :]  # [n, La, V]
@@ -162,9 +162,9 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
 
     Plain (fast=False): the [n, La, V] logits of action_logits, then log_softmax.
     fast=True computes the same numbers without ever holding [n, La, V]: the hidden states
-    at action positions come from speedups.prefill (text the rows share runs once: the
+    at action positions come from speed.prefill (text the rows share runs once: the
     module's instructions for all rows, the whole prompt for the G actions sampled from
-    it), and speedups.chunked_logprobs runs the output layer over `chunk` positions at a
+    it), and speed.chunked_logprobs runs the output layer over `chunk` positions at a
     time, recomputing each chunk's logits in the backward pass."""
     dev = next(model.parameters()).device
     n, La = len(rows), max(len(r.action_ids) for r in rows)
@@ -179,7 +179,7 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
     if fast:
         seqs = [row.prompt_ids + row.action_ids for row in rows]
-        h, _ = speedups.prefill(model, seqs, pad_id, None, La + 1, [len(row.prompt_ids) - 1 for row in rows],
+        h, _ = speed.prefill(model, seqs, pad_id, None, La + 1, [len(row.prompt_ids) - 1 for row in rows],
                                 hidden=True)
         h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
         scored = mask.bool()  # [n, La] positions scored at temperature T
@@ -187,7 +187,7 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
             scored[r, c] = False  # token 0 is scored below, on its own
         at = scored.nonzero(as_tuple=True)
         head = model.get_output_embeddings()
-        lp, ent = speedups.chunked_logprobs(h[at], head.weight, head.bias, targets[at], T, chunk)  # [M] each
+        lp, ent = speed.chunked_logprobs(h[at], head.weight, head.bias, targets[at], T, chunk)  # [M] each
         logp = torch.zeros((n, La), device=dev).index_put(at, lp)  # [n, La]
         entropy = torch.zeros((n, La), device=dev).index_put(at, ent)
         z0 = head(h[r, c]).float() if first else None  # [n, V] token 0's logits
@@ -415,7 +415,7 @@ def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: i
 
 def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams,
                   loss_cfg: LossConfig, pad_id: int, *, epochs: int = 1, minibatches: int = 1,
-                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, masters=None, world=dist.SINGLE,
+                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, masters=None, world=ranks.SINGLE,
                   **kw) -> dict:
     """`epochs` passes over one rollout batch, each split into `minibatches` optimizer
     steps (PPO style). With epochs = minibatches = 1 this is a single REINFORCE-like step
@@ -426,7 +426,7 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
     copies, which are then rounded into the weights). kw: micro_batch, max_tokens, fast,
     chunk (accumulate_gradients).
 
-    world (dist.World): with several ranks, `rows` are this rank's, with weights over the
+    world (ranks.World): with several ranks, `rows` are this rank's, with weights over the
     whole step's batch; every rank calls this, even with no rows. The rows are numbered
     across ranks (rank 0's first) and mini-batch mb is drawn over that numbering, so it
     holds the rows one process would give it; each optimizer step sums the ranks'

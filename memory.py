@@ -23,26 +23,10 @@ official code), we render a compact text block and cap it:
 
 from dataclasses import dataclass, field
 
+from support.text import cut
+
 
 EMPTY = "(empty: no tool has been used yet)"  # how an empty memory reads in a prompt
-
-
-def cut(text: str, limit: int, keep_tail: bool = False, already_cut: int = 0) -> str:
-    """`text` in at most `limit` characters, with a "...[cut N chars]" marker that counts
-    what was removed. The one cutter of the project: memory records, tool outputs and the
-    report all mark missing text the same way.
-
-    keep_tail keeps both ends around the marker (a program prints its answer last);
-    already_cut counts text that was dropped before this call (a stream read in part)."""
-    if len(text) <= limit and not already_cut:
-        return text
-    longest = len(f"...[cut {len(text) + already_cut} chars]")  # the real marker is no longer
-    keep = max(limit - longest, 0)
-    marker = f"...[cut {len(text) - keep + already_cut} chars]"
-    if not keep_tail:
-        return text[:keep] + marker
-    tail = keep // 2
-    return text[:keep - tail] + marker + text[len(text) - tail:]
 
 
 @dataclass
@@ -98,12 +82,6 @@ class Memory:
             text = f"[turns 1-{dropped} omitted]\n" + text
         # A single huge turn can still exceed the budget: cut it, visibly.
         return cut(text.strip(), self.budget_chars)
-
-
-def plan_of(tools: list[str]) -> str:
-    """The plan a trajectory carried out: the tools its memory records, in order
-    ("Local_Search > Python_Coder"), as evaluation summaries and the report count them."""
-    return " > ".join(tools) or "(no tool)"
 
 
 def _joined_len(blocks: list[str], dropped: int) -> int:

@@ -25,44 +25,38 @@ Where this departs from the official code:
 - Its search tools call paid LLMs. Here Google_Search returns Google's results from a
   results API (Serper by default; Google's own Custom Search JSON API as an option),
   Web_Search ranks page chunks with BM25, and Local_Search (BM25 over a JSONL corpus,
-  or over an on-disk index of a whole Wikipedia dump, retriever.py) runs offline.
+  or over an on-disk index of a whole Wikipedia dump, support/bm25.py) runs offline.
 
 The Python sandbox is sandbox.py: by default each program runs in its own Linux user,
 network, mount, PID and IPC namespaces (no network, a read-only view of little more
 than the interpreter, its own processes only), under rlimits and a wall clock, for
 root and ordinary users alike. Web_Search, which fetches URLs a model wrote, refuses
-internal addresses (_guarded_get).
+internal addresses (support/web.py).
 """
 from __future__ import annotations
 
-import contextlib
-import email.utils
-import ipaddress
+import copy
+import difflib
 import json
 import os
-import random
 import re
-import socket
 import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from html.parser import HTMLParser
-from urllib.parse import urljoin, urlparse
+from urllib.parse import urlparse
 
-import requests
-import urllib3
-
-from memory import cut
-from retriever import BM25, DiskBM25, tokenize
-from sandbox import Limits, Sandbox, SandboxError
+from support.bm25 import BM25, DiskBM25, tokenize
+from support.reply_cache import ReplyCache
+from support.config import ConfigError, merge
+from support.sandbox import ISOLATIONS, Limits, Sandbox, SandboxError
+from support.text import cut
+from support.web import WIKIMEDIA_LOCK, RetryPolicy, WebError, api_json, fetch_page_text, is_wikimedia, user_agent
 
 DEFAULT_TOOL_CFG = {
     "max_output_chars": 600,      # every tool output is cut to this many characters
     "search_top_k": 3,            # passages / pages / results returned by the search tools
     "corpus": "data/corpus.jsonl",  # Local_Search: JSONL rows {"title", "text", optional "id"}
-    "corpus_index": "",           # Local_Search: a folder built by `python retriever.py build` (a whole
+    "corpus_index": "",           # Local_Search: a folder built by `python -m scripts.build_index` (a whole
                                   #   Wikipedia dump); when set, it is searched instead of `corpus`
     "python_timeout_s": 5.0,      # Python_Coder: wall-clock limit of one program
     "python_memory_mb": 512,      # Python_Coder: address-space limit (RLIMIT_AS)
@@ -103,18 +97,6 @@ DEFAULT_TOOL_CFG = {
     "cse_key_env": "GOOGLE_API_KEY",     # cse: NAME of the variable holding the API key
     "cse_id_env": "GOOGLE_CSE_ID",       # cse: NAME of the variable holding the search engine id (cx)
 }
-VERSION = "0.1"
-
-
-def user_agent(contact: str = "") -> str:
-    """Our User-Agent, in the form Wikimedia's policy asks for: client/version
-    (contact information) library/version; "bot" says it is automated. The contact goes
-    only to Wikimedia (see is_wikimedia): a page a model picks need not learn it."""
-    about = f"research bot; {contact}" if contact else "research bot"
-    return f"AgentFlow-from-scratch/{VERSION} ({about}) python-requests/{requests.__version__}"
-
-
-USER_AGENT = user_agent()
 
 
 @dataclass
@@ -135,57 +117,6 @@ class ToolError(Exception):
     def __init__(self, message: str, infra: bool = False):
         super().__init__(message)
         self.infra = infra
-
-
-class ReplyCache:
-    """A tool's replies by command, bounded, least recently used dropped first.
-
-    Thread-safe, and a call whose command is already in flight waits for that call's
-    reply instead of sending its own: the G rollouts of a query often issue the same
-    search at the same moment (tools run concurrently, run_tool_calls), and a cache
-    filled only after a reply would miss all G. A reply the command caused is kept, a
-    failure included ("no passages match"): asking again would give the same, and
-    whether a repeat waited or came later must not change what the run counts. An
-    infrastructure failure (network, quota) is shared with those waiting, never kept."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.hits = 0    # answered without a call of their own (from the cache, or by waiting)
-        self.misses = 0  # calls made
-        self._done: OrderedDict[str, ToolResult] = OrderedDict()
-        self._pending: dict[str, Future] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: str, call) -> ToolResult:
-        with self._lock:
-            if key in self._done:
-                self._done.move_to_end(key)
-                self.hits += 1
-                return self._done[key]
-            pending = self._pending.get(key)
-            first = pending is None
-            if first:
-                pending = self._pending[key] = Future()
-                self.misses += 1
-            else:
-                self.hits += 1
-        if not first:
-            return pending.result()
-        try:
-            result = call()
-        except BaseException as e:  # run() never raises; if it did, no waiter may hang
-            with self._lock:
-                del self._pending[key]
-            pending.set_exception(e)
-            raise
-        with self._lock:
-            del self._pending[key]
-            if not result.infra:
-                self._done[key] = result
-                while len(self._done) > self.size:
-                    self._done.popitem(last=False)
-        pending.set_result(result)
-        return result
 
 
 @dataclass(frozen=True)
@@ -229,8 +160,18 @@ class Tool:
 
     @classmethod
     def required_env(cls, cfg: dict) -> tuple[str, ...]:
-        """Environment variables it cannot run without under these settings (config.preflight)."""
+        """Environment variables it cannot run without under these settings."""
         return ()
+
+    @classmethod
+    def preflight(cls, cfg: dict) -> str:
+        """What it lacks outside the config file under these settings (a key, a file, an
+        address), in one line that names the fix; "" when nothing (check_toolset)."""
+        missing = [n for n in cls.required_env(cfg) if n and not os.environ.get(n)]
+        if not missing:
+            return ""
+        return (f"agent.tools: {cls.name} needs {' and '.join(missing)} in the environment; "
+                f"export {missing[0]}=..., or drop {cls.name} from agent.tools")
 
     def run(self, command: str) -> ToolResult:
         if self.cache is None:
@@ -240,7 +181,7 @@ class Tool:
     def _call(self, command: str) -> ToolResult:
         try:
             return ToolResult(output=cut(self._run(command or ""), self.max_chars))
-        except ToolError as e:
+        except (ToolError, WebError) as e:  # the model's error, or the network's (e.infra)
             return ToolResult(output="", error=str(e), infra=e.infra)
         except Exception as e:  # a bug or an odd input must not take the batch down
             return ToolResult(output="", error=f"{self.name} failed: {type(e).__name__}: {e}"[:300])
@@ -377,6 +318,17 @@ class LocalSearch(Tool):
     aliases = ("local", "search", "retriev", "corpus", "lookup", "look up")
     cacheable = True
 
+    @classmethod
+    def preflight(cls, cfg):
+        if cfg["corpus_index"]:
+            if not os.path.isfile(os.path.join(cfg["corpus_index"], "meta.json")):
+                return (f"tools.corpus_index: {cfg['corpus_index']} is not a built index (no meta.json); build it "
+                        f"with `python -m scripts.build_index CORPUS {cfg['corpus_index']}`")
+        elif not os.path.isfile(cfg["corpus"]):
+            return (f"tools.corpus: {cfg['corpus']} not found (Local_Search reads it); regenerate it with "
+                    f"`python -m scripts.make_tasks` or set tools.corpus=PATH")
+        return ""
+
     def __init__(self, cfg=None):
         super().__init__(cfg)
         self._rows: list[dict] | None = None  # the corpus in memory (tools.corpus), or
@@ -422,277 +374,6 @@ class LocalSearch(Tool):
 
 # ----------------------------------------------------------------------------- network tools
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """When a failed request is tried again (tools.retry_* in the config)."""
-    attempts: int      # tries in all
-    backoff_s: float   # first wait; doubled for each later one
-    max_wait_s: float  # longest single wait
-    total_s: float     # no new try after this long
-
-    @classmethod
-    def from_cfg(cls, c: dict) -> RetryPolicy:
-        return cls(max(1, int(c["retry_attempts"])), float(c["retry_backoff_s"]), float(c["retry_max_wait_s"]),
-                   float(c["retry_total_s"]))
-
-
-# Indirections that tests replace, so that waits are recorded instead of slept through.
-_clock, _sleep = time.monotonic, time.sleep
-_jitter = random.Random()  # its own stream: the seeded global one drives a run's sampling and must not move
-
-
-def _retry_after(value: str | None) -> float | None:
-    """The seconds a Retry-After header asks for (a number of seconds, or an HTTP date)."""
-    if not value:
-        return None
-    try:
-        return max(float(value.strip()), 0.0)
-    except ValueError:
-        pass
-    try:
-        return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
-    except (TypeError, ValueError, IndexError):
-        return None
-
-
-def _request(method: str, url: str, retry: RetryPolicy, timeout: float, *, session=None, agent: str = USER_AGENT,
-             ours: bool = True, transient=None, headers: dict | None = None, **kw) -> requests.Response:
-    """An HTTP request with retries: a response with status < 400, or a ToolError.
-
-    Tried again, after backoff_s * 2^n seconds (times 0.5..1 at random, so that threads
-    that failed together do not retry together) or what the server's Retry-After asks:
-    HTTP 429, any 5xx, a timeout, a dropped or refused connection, and a reply that
-    `transient(resp)` names (MediaWiki says "lagged, retry" with HTTP 200). Still
-    failing after retry.attempts tries or retry.total_s seconds, or asked to wait more
-    than retry.max_wait_s: an infrastructure failure (infra=True).
-    Never retried: other 4xx, which say the request itself is wrong. `ours` = the URL is
-    an endpoint of the config, so 401 / 403 mean our key or quota (infra); on a URL a
-    model wrote they are that page's answer to the model.
-    Messages never quote the URL: it can hold an API key, and errors end up in prompts."""
-    host = urlparse(url).netloc or url[:60]
-    headers = {"User-Agent": agent, **(headers or {})}
-    start, tries = _clock(), 0
-    while True:
-        tries += 1
-        wait = None
-        try:
-            resp = (session or requests).request(method, url, timeout=timeout, headers=headers, **kw)
-        except requests.Timeout:
-            failure = f"timeout after {timeout:g}s from {host}"
-        except requests.exceptions.SSLError:  # a certificate problem does not fix itself in seconds
-            raise ToolError(f"TLS error from {host}", infra=ours) from None
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
-            failure = f"request to {host} failed ({type(e).__name__})"
-        except requests.RequestException as e:  # an invalid URL and the like: retrying cannot help
-            raise ToolError(f"request to {host} failed ({type(e).__name__})", infra=ours) from None
-        else:
-            failure = transient(resp) if transient and resp.status_code < 400 else ""
-            if resp.status_code < 400 and not failure:
-                return resp
-            if resp.status_code >= 400:
-                message = _error_message(resp)
-                failure = f"HTTP {resp.status_code} from {host}" + (f": {message}" if message else "")
-                if resp.status_code != 429 and resp.status_code < 500:
-                    resp.close()
-                    raise ToolError(failure, infra=ours and resp.status_code in (401, 403))
-            wait = _retry_after(resp.headers.get("Retry-After"))
-            resp.close()
-        asked = wait is not None
-        if not asked:
-            wait = min(retry.backoff_s * 2 ** (tries - 1) * (0.5 + _jitter.random() / 2), retry.max_wait_s)
-        n = f"{tries} {'try' if tries == 1 else 'tries'}"
-        if tries >= retry.attempts:
-            why = n
-        elif asked and wait > retry.max_wait_s:  # a server that says "in an hour" will not be ready in seconds
-            why = f"{n}: asked to wait {wait:.0f}s, more than tools.retry_max_wait_s"
-        elif _clock() - start + wait > retry.total_s:
-            why = f"{n} in tools.retry_total_s"
-        else:
-            _sleep(wait)
-            continue
-        raise ToolError(f"{failure} (gave up after {why})", infra=True)
-
-
-def _error_message(resp: requests.Response) -> str:
-    """What an error reply says about itself, if it is JSON (APIs explain their errors)."""
-    if "json" not in resp.headers.get("Content-Type", "").lower():
-        return ""
-    try:
-        return _api_error(resp.json(), loose=True)
-    except ValueError:
-        return ""
-
-
-# Wikimedia's API etiquette asks for requests in series, not in parallel: every request
-# to a Wikimedia site holds this lock (tool calls run in threads, run_tool_calls),
-# Wikipedia_Search's to its configured endpoint and Web_Search's to Wikimedia's hosts.
-WIKIMEDIA_LOCK = threading.Lock()
-_WIKIMEDIA = ("wikipedia.org", "wikimedia.org", "wikidata.org", "wiktionary.org", "wikiquote.org", "wikibooks.org",
-              "wikisource.org", "wikinews.org", "wikiversity.org", "wikivoyage.org", "mediawiki.org")
-
-
-def is_wikimedia(host: str) -> bool:
-    host = (host or "").lower().rstrip(".")
-    return any(host == d or host.endswith("." + d) for d in _WIKIMEDIA)
-
-
-# A URL that a model wrote must not turn the agent inward: onto this machine's services
-# (a judge, a model server, a database on 127.0.0.1), the local network or a cloud
-# metadata endpoint (169.254.169.254). Every address a fetch would go to is checked:
-# what the name resolves to before the request (so an internal one is never contacted)
-# and the peer the socket actually connected to (so a name that resolves to a public
-# address for our check and to an internal one for the connection, DNS rebinding, is
-# caught too), on the first request and on every redirect, which we follow ourselves.
-# Behind an HTTP proxy the proxy resolves the name and only the first check applies.
-# Not guarded: the API endpoints of the config (wikipedia_url, serper_url, google_url), which the
-# user chose (a local mirror is legitimate) and of which a model writes only the query.
-
-_MAX_REDIRECTS = 5
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-
-
-def _allow_list(entries) -> tuple[set[str], list]:
-    """tools.url_allow as (host names, networks): an entry that parses as an address or
-    CIDR allows those addresses under any name; any other entry allows that host name."""
-    names, nets = set(), []
-    for entry in entries or ():
-        try:
-            nets.append(ipaddress.ip_network(str(entry), strict=False))
-        except ValueError:
-            names.add(str(entry).lower().rstrip("."))
-    return names, nets
-
-
-def _refusal(ip: str, nets) -> str:
-    """Why a fetch may not go to `ip` ("" = it may)."""
-    addr = ipaddress.ip_address(ip.split("%")[0])  # a scope id (fe80::1%eth0) is no part of the address
-    if addr.version == 6:  # an IPv4 address inside IPv6 is judged as itself (::ffff:127.0.0.1 is loopback)
-        if addr in _NAT64:
-            addr = ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
-        else:
-            addr = addr.ipv4_mapped or addr.sixtofour or addr
-    if any(addr in net for net in nets if net.version == addr.version):
-        return ""
-    for kind in ("loopback", "unspecified", "link_local", "private", "multicast", "reserved"):
-        if getattr(addr, "is_" + kind):
-            return f"{addr} is a {kind.replace('_', '-')} address"
-    return "" if addr.is_global else f"{addr} is not a public address"
-
-
-def _refuse(host: str, why: str) -> ToolError:
-    return ToolError(f"refused to fetch from {host}: {why} (tools.url_allow lets a host in)")
-
-
-def _check_host(host: str, port: int, allow: tuple[set[str], list]) -> None:
-    names, nets = allow
-    if host.lower().rstrip(".") in names:
-        return
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        raise ToolError(f"cannot resolve {host}") from None
-    for *_, sockaddr in found:  # every address it resolves to: the client may pick any of them
-        why = _refusal(sockaddr[0], nets)
-        if why:
-            raise _refuse(host, why)
-
-
-def _guarded_session(allow: tuple[set[str], list]) -> requests.Session:
-    """A session whose direct connections refuse a peer outside the allow list."""
-
-    def guarded(base):
-        class Guarded(base):
-            def _new_conn(self):
-                sock = super()._new_conn()
-                if self.host.lower().rstrip(".") not in allow[0]:
-                    why = _refusal(sock.getpeername()[0], allow[1])
-                    if why:  # nothing was sent yet
-                        sock.close()
-                        raise _refuse(self.host, why)
-                return sock
-        return Guarded
-
-    pools = {"http": type("GuardedPool", (urllib3.HTTPConnectionPool,),
-                          {"ConnectionCls": guarded(urllib3.connection.HTTPConnection)}),
-             "https": type("GuardedPool", (urllib3.HTTPSConnectionPool,),
-                           {"ConnectionCls": guarded(urllib3.connection.HTTPSConnection)})}
-
-    class Adapter(requests.adapters.HTTPAdapter):
-        def init_poolmanager(self, *args, **kwargs):
-            super().init_poolmanager(*args, **kwargs)
-            self.poolmanager.pool_classes_by_scheme = pools
-
-    session = requests.Session()
-    for scheme in ("http://", "https://"):
-        session.mount(scheme, Adapter())
-    return session
-
-
-def _guarded_get(url: str, timeout: float, allow_entries, retry: RetryPolicy,
-                 contact: str = "") -> tuple[str, requests.Response]:
-    """(final URL, streamed response) of a GET to a model-written URL, redirects followed
-    by hand so that every hop is checked. Wikimedia's hosts get our contact address."""
-    allow = _allow_list(allow_entries)
-    with _guarded_session(allow) as session:
-        for _ in range(_MAX_REDIRECTS + 1):
-            parts = urlparse(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ToolError(f"not an http(s) URL: {url[:100]}")
-            try:
-                port = parts.port or (443 if parts.scheme == "https" else 80)
-            except ValueError:
-                raise ToolError(f"bad port in {url[:100]}") from None
-            _check_host(parts.hostname, port, allow)
-            agent = user_agent(contact) if is_wikimedia(parts.hostname) else USER_AGENT
-            resp = _request("GET", url, retry, timeout, session=session, agent=agent, ours=False, stream=True,
-                            allow_redirects=False)
-            if not resp.is_redirect:
-                return url, resp
-            url = urljoin(url, resp.headers["Location"])
-            resp.close()
-    raise ToolError(f"more than {_MAX_REDIRECTS} redirects")
-
-
-def _api_error(data, loose: bool = False) -> str:
-    """The message of an API error body: Google {"error": {"message"}}, MediaWiki {"error":
-    {"info"}}; loose (a body that came with an error status) also Serper's {"message"}."""
-    if not isinstance(data, dict):
-        return ""
-    error = data.get("error")
-    if isinstance(error, dict):
-        error = error.get("message") or error.get("info") or error.get("code") or "unknown error"
-    if not error and loose:
-        error = data.get("message")
-    return str(error)[:200] if error else ""
-
-
-def _api_json(url: str, retry: RetryPolicy, timeout: float, method: str = "GET", transient_codes=(),
-              **kw) -> dict:
-    """The JSON object an API endpoint of the config answers (_request's retries). An error
-    in the body is a ToolError (MediaWiki answers errors with HTTP 200); one whose code is
-    in transient_codes is retried like a 503."""
-
-    def transient(resp):
-        try:
-            error = resp.json().get("error")
-        except (ValueError, AttributeError):
-            return ""
-        if isinstance(error, dict) and error.get("code") in transient_codes:
-            return f"API error: {_api_error({'error': error})}"
-        return ""
-
-    resp = _request(method, url, retry, timeout, transient=transient if transient_codes else None, **kw)
-    try:
-        data = resp.json()
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise ToolError(f"non-JSON reply from {urlparse(url).netloc}", infra=True)
-    if _api_error(data):
-        raise ToolError(f"API error: {_api_error(data)}")
-    return data
-
-
 class WikipediaSearch(Tool):
     name = "Wikipedia_Search"
     card = ("Searches Wikipedia and returns the opening paragraphs of the best-matching\n"
@@ -706,12 +387,20 @@ class WikipediaSearch(Tool):
     # MediaWiki error codes that mean "not now" rather than "not this": retried like a 503.
     TRANSIENT = ("maxlag", "ratelimited")
 
+    @classmethod
+    def preflight(cls, cfg):
+        if is_wikimedia(urlparse(cfg["wikipedia_url"]).hostname) and not cfg["contact"].strip():
+            return ("tools.contact is empty: Wikimedia's User-Agent policy asks automated clients for a way to reach "
+                    "their operator; set tools.contact=you@example.org (an email address or a URL), or drop "
+                    "Wikipedia_Search from agent.tools")  # (a local mirror has its own rules)
+        return super().preflight(cfg)
+
     def _api(self, params: dict) -> dict:
         params = {**params, "format": "json", "formatversion": 2}
         if int(self.cfg["wikipedia_maxlag"]) > 0:  # training is a non-interactive client
             params["maxlag"] = int(self.cfg["wikipedia_maxlag"])
         with WIKIMEDIA_LOCK:
-            return _api_json(self.cfg["wikipedia_url"], RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
+            return api_json(self.cfg["wikipedia_url"], RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
                              transient_codes=self.TRANSIENT, params=params, agent=user_agent(self.cfg["contact"]))
 
     def _run(self, command):
@@ -762,6 +451,12 @@ class GoogleSearch(Tool):
         c = {**DEFAULT_TOOL_CFG, **(cfg or {})}
         return (c["cse_key_env"], c["cse_id_env"]) if c["google_provider"] == "cse" else (c["serper_key_env"],)
 
+    @classmethod
+    def preflight(cls, cfg):
+        problem = super().preflight(cfg)
+        return problem.replace("in the environment;", f"in the environment (tools.google_provider is "
+                                                      f"{cfg['google_provider']});") if problem else ""
+
     def _run(self, command):
         query = command.strip()
         if not query:
@@ -773,14 +468,14 @@ class GoogleSearch(Tool):
         k = min(int(self.cfg["search_top_k"]), 10)  # 10 is one page: what both APIs charge one query for
         retry, timeout = RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"])
         if self.cfg["google_provider"] == "serper":
-            data = _api_json(self.cfg["serper_url"], retry, timeout, method="POST", json={"q": query, "num": k},
+            data = api_json(self.cfg["serper_url"], retry, timeout, method="POST", json={"q": query, "num": k},
                              headers={"X-API-KEY": values[0]})
             box = data.get("answerBox") if isinstance(data.get("answerBox"), dict) else {}
             answer = box.get("answer") or box.get("snippet")
             items = ([{"title": box.get("title") or "Answer", "snippet": answer, "link": box.get("link", "")}]
                      if answer else []) + list(data.get("organic") or [])
         else:
-            items = _api_json(self.cfg["google_url"], retry, timeout,
+            items = api_json(self.cfg["google_url"], retry, timeout,
                               params={"key": values[0], "cx": values[1], "q": query, "num": k}).get("items") or []
         items = [it for it in items if isinstance(it, dict)][:k]
         if not items:
@@ -792,36 +487,6 @@ class GoogleSearch(Tool):
             snippet = cut(" ".join(str(it.get("snippet", "")).split()), max(per_hit - len(title) - len(link) - 5, 20))
             lines.append(f"{title}: {snippet}" + (f" ({link})" if link else ""))
         return "\n".join(lines)
-
-
-class _TextExtractor(HTMLParser):
-    """Visible text of an HTML page: skips script/style/noscript/template/svg; entities
-    are decoded by convert_charrefs. Every tag becomes a space, so blocks never glue."""
-    SKIP = {"script", "style", "noscript", "template", "svg"}
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str] = []
-        self.skipping = 0
-
-    def handle_starttag(self, tag, attrs):
-        self.skipping += tag in self.SKIP
-        self.parts.append(" ")
-
-    def handle_endtag(self, tag):
-        self.skipping = max(self.skipping - (tag in self.SKIP), 0)
-        self.parts.append(" ")
-
-    def handle_data(self, data):
-        if not self.skipping:
-            self.parts.append(data)
-
-
-def html_to_text(html: str) -> str:
-    parser = _TextExtractor()
-    parser.feed(html)
-    parser.close()
-    return " ".join("".join(parser.parts).split())
 
 
 _URL = re.compile(r"https?://[^\s<>\"'`]+")
@@ -845,33 +510,8 @@ class WebSearch(Tool):
             raise ToolError("no URL in command")
         url = match.group(0).rstrip(".,;:!?)]}")
         question = (command[:match.start()] + " " + command[match.start() + len(url):]).strip()
-        timeout, max_bytes = float(self.cfg["web_timeout_s"]), int(self.cfg["web_max_bytes"])
-        # Wikimedia's pages, like its API, are fetched one at a time (WIKIMEDIA_LOCK), the
-        # body included. (A redirect from elsewhere onto Wikimedia is not serialised.)
-        serial = WIKIMEDIA_LOCK if is_wikimedia(urlparse(url).hostname) else contextlib.nullcontext()
-        with serial:
-            url, resp = _guarded_get(url, timeout, self.cfg["url_allow"], RetryPolicy.from_cfg(self.cfg),
-                                     self.cfg["contact"])
-            with resp:
-                ctype = resp.headers.get("Content-Type", "").lower()
-                if not (ctype.startswith("text/") or "html" in ctype or "xml" in ctype):
-                    raise ToolError(f"unsupported content type {ctype.split(';')[0] or 'unknown'!r} at {url[:100]}")
-                body, stop_at = b"", time.monotonic() + timeout  # a page that drips forever still ends
-                try:
-                    for piece in resp.iter_content(65536):
-                        body += piece
-                        if len(body) >= max_bytes or time.monotonic() > stop_at:
-                            break
-                except requests.RequestException as e:
-                    raise ToolError(f"the connection to {urlparse(url).netloc} broke mid-page "
-                                    f"({type(e).__name__})", infra=True) from None
-        charset = re.search(r"charset=[\"']?([\w.-]+)", ctype)
-        try:
-            text = body[:max_bytes].decode(charset.group(1) if charset else "utf-8", "replace")
-        except LookupError:  # an unknown charset name
-            text = body[:max_bytes].decode("utf-8", "replace")
-        if "html" in ctype or "xml" in ctype:
-            text = html_to_text(text)
+        url, text = fetch_page_text(url, RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
+                                    int(self.cfg["web_max_bytes"]), self.cfg["url_allow"], self.cfg["contact"])
         words = text.split()
         if not words:
             raise ToolError(f"no text on page {url[:100]}")
@@ -888,6 +528,26 @@ class WebSearch(Tool):
 
 TOOL_CLASSES: dict[str, type[Tool]] = {
     cls.name: cls for cls in (BaseGenerator, PythonCoder, LocalSearch, WikipediaSearch, GoogleSearch, WebSearch)}
+SETTING_CHOICES = {"tools.python_isolation": ISOLATIONS, "tools.google_provider": GoogleSearch.PROVIDERS}
+
+
+def check_toolset(cfg: dict) -> None:
+    """The config's toolset, before any model loads: agent.tools names known tools, every
+    tools.* key is a known setting of the right type (the rest take DEFAULT_TOOL_CFG's
+    values, written into cfg), and each tool has what it needs outside the file (its API
+    key, its corpus, a contact address: Tool.preflight). A ConfigError names the key and
+    the fix, one line for each tool that lacks something."""
+    for name in cfg["agent"]["tools"]:
+        if name not in TOOL_CLASSES:
+            near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}")
+    settings = copy.deepcopy(DEFAULT_TOOL_CFG)
+    merge(settings, cfg["tools"], DEFAULT_TOOL_CFG, "tools.", SETTING_CHOICES)
+    cfg["tools"] = settings
+    problems = [TOOL_CLASSES[name].preflight(settings) for name in cfg["agent"]["tools"]]
+    if any(problems):
+        raise ConfigError("\n".join(p for p in problems if p))
 
 
 def build_tools(names: list[str], cfg: dict | None = None) -> dict[str, Tool]:

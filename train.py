@@ -27,7 +27,7 @@ not: data order, sampling seeds and mini-batch order are all functions of (seed,
 Before any weight is loaded, the memory plan (memory_plan.py) is printed, and a run that
 cannot fit `model.memory_gb` stops there, naming the knob to turn.
 
-Under torchrun (dist.py) each rank rolls out its share of the step's queries, by whole
+Under torchrun (ranks.py) each rank rolls out its share of the step's queries, by whole
 groups, with a seed of its own (rollout_seed); the row weights count the whole step's
 kept groups, the gradients are summed over ranks before clipping, and every rank takes
 the same optimizer step. Rank 0 alone writes, with metrics over all ranks. Without
@@ -51,19 +51,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import dist
-from agentflow import LLM, AgentSystem, agent_config, load_model
-from benchmarks import load_benchmark
-from config import ConfigError, load_config, preflight
+from support import ranks
+from agentflow import LLM, AgentSystem, agent_config
+from support.datasets import load_benchmark
+from support.config import ConfigError, load_config, preflight
 from eval import evaluate
 from flow_grpo import LossConfig, build_rows, group_advantages, policy_update
 from judge import Judge, judge_counts
-from memory_plan import PlanError, plan_for
-from optim import frozen_reference, make_optimizer, select_trainable
-from report import note_run, record_run, write_report
-from sandbox import SandboxError
-from speedups import decode_name
-from tools import build_tools
+from support.device_memory import PlanError, plan_for
+from support.optim import frozen_reference, make_optimizer, select_trainable
+from support.report.page import note_run, record_run, write_report
+from support.sandbox import SandboxError
+from support.models import load_model
+from tools import build_tools, check_toolset
 
 
 def main(argv: list[str]) -> int:
@@ -76,13 +76,14 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv[0], argv[1:])
         if plan_only:  # the model's config.json is all it reads: no data, no tools, no weights
             try:
-                plan = plan_for(cfg, ranks=dist.env_size())
+                plan = plan_for(cfg, ranks=ranks.env_size())
             except OSError as e:  # no config.json there, or a hub id without network
                 print(f"error: cannot read the config.json of model.name={cfg['model']['name']}: {e}", file=sys.stderr)
                 return 2
             print(plan.text())
             return 0 if plan.fits else 3
-        preflight(cfg)  # paths, model name, API keys: before minutes of model loading
+        preflight(cfg)  # data paths, model name, judge: before minutes of model loading
+        check_toolset(cfg)  # tool names and settings, their keys, corpus, contact
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -98,14 +99,14 @@ def main(argv: list[str]) -> int:
         print(f"memory plan error: {e}", file=sys.stderr)
         return 3
     finally:
-        dist.shutdown()  # under torchrun: leave the process group (nothing without it)
+        ranks.shutdown()  # under torchrun: leave the process group (nothing without it)
     return 0
 
 
 def run(cfg: dict) -> dict:
     """The whole job: build everything, (resume,) evaluate, train, evaluate, report."""
     started = time.time()
-    world = dist.init(cfg["model"]["device"])  # dist.SINGLE without torchrun
+    world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
     out = Path(cfg["out_dir"])
     if world.main:  # rank 0 alone writes; the others may run on machines that cannot see out_dir
         out.mkdir(parents=True, exist_ok=True)
@@ -140,9 +141,9 @@ def run(cfg: dict) -> dict:
         planner, frozen = LLM(model, tok), LLM(ref, tok)
     world.agree_decode([planner, frozen])  # and rank 0's choice on every machine
     if world.main:  # a run's sample path depends on it: run.json says which it was
-        note_run(out, run_entry, decode=decode_name(planner.decode))
-    for llm in (planner, frozen):  # the sampler's waves and prefill forwards stay inside the plan
-        llm.wave_bytes, llm.prefill_tokens = plan.wave_bytes, plan.prefill_tokens
+        note_run(out, run_entry, decode=planner.decode_name)
+    for llm in (planner, frozen):  # the sampler's sub-batches and prefill forwards stay inside the plan
+        llm.sub_batch_bytes, llm.prefill_tokens = plan.sub_batch_bytes, plan.prefill_tokens
     agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     train_items = load_benchmark(cfg["data"]["train"])
@@ -161,7 +162,7 @@ def run(cfg: dict) -> dict:
         except torch.OutOfMemoryError as err:  # the plan was wrong for this machine: say so, stop
             raise PlanError(f"out of memory during the held-out evaluation at step {step} ({err}); "
                             f"the plan was:\n{plan.text()}\nlower model.memory_gb (the sampler then runs "
-                            f"smaller waves) or model.prefill_tokens") from err
+                            f"smaller sub-batches) or model.prefill_tokens") from err
 
     before = held_out_eval(0) if t["eval_before_after"] else None
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
@@ -211,7 +212,7 @@ def refresh_report(out: Path):
 
 
 def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, out, judge=None, masters=None,
-               update_tokens: int = 0, world=dist.SINGLE) -> dict:
+               update_tokens: int = 0, world=ranks.SINGLE) -> dict:
     """One Flow-GRPO step: draw -> rollout -> judge -> advantage -> update. Under torchrun
     this rank takes its share of the queries (whole groups); the metrics row it returns,
     the same on every rank, is the whole step's."""
@@ -225,9 +226,9 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
     # 2. Rollout: this rank's groups in lockstep; copies of a query are consecutive (a group).
     t0 = time.time()
     hits_before = sum(tool.cache.hits for tool in agent.tools.values() if tool.cache)
-    waves = agent.planner.waves_run + agent.frozen.waves_run
+    sub_batches = agent.planner.sub_batches_run + agent.frozen.sub_batches_run
     trajs = agent.rollout([it.question for it in mine for _ in range(G)], seed=rollout_seed(seed, world.rank))
-    waves = agent.planner.waves_run + agent.frozen.waves_run - waves  # sampler waves (> calls when memory-bound)
+    sub_batches = agent.planner.sub_batches_run + agent.frozen.sub_batches_run - sub_batches  # sampler sub-batches (> calls when memory-bound)
     t1 = time.time()
 
     # 3. Judge: R_i in {0, 1} from the final answer alone. A judge that fails gives 0, never 1.
@@ -283,7 +284,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
         "turns": [len(tr.turns) for tr in trajs], "tools": [tr.tools_used for tr in trajs], "infra": infra,
         "model_errors": sum(1 for tr in trajs for r in tr.memory.records if r.tool and r.error and not r.infra),
         "verdicts": [{k: v[k] for k in ("judge", "judge_error") if k in v} for v in verdicts],
-        "hits": hits, "waves": waves, "times": (t1 - t0, t2 - t1, t3 - t2)})
+        "hits": hits, "sub_batches": sub_batches, "times": (t1 - t0, t2 - t1, t3 - t2)})
     every = lambda key: [x for p in parts for x in p[key]]
     rewards, group_rewards, turns = every("rewards"), every("group_rewards"), every("turns")
     tool_calls = Counter(tool for used in every("tools") for tool in used)
@@ -306,7 +307,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, scheduler, items, tok, o
             "excluded_groups": len(queries) - len(group_rewards),
             "tool_cache_hits": sum(p["hits"] for p in parts),  # each rank has its own cache
             "judge": judge_counts(every("verdicts")), **upd, "lr": lr,
-            "sampler_waves": sum(p["waves"] for p in parts),
+            "sampler_sub_batches": sum(p["sub_batches"] for p in parts),
             "time_rollout": times[0], "time_judge": times[1], "time_update": times[2]}
 
 
@@ -431,7 +432,7 @@ def save_checkpoint(out: Path, step: int, model, tok, optimizer, scheduler, mast
     return final
 
 
-def resume(out: Path, model, optimizer, scheduler, masters=None, world=dist.SINGLE) -> int:
+def resume(out: Path, model, optimizer, scheduler, masters=None, world=ranks.SINGLE) -> int:
     """Load the latest complete checkpoint; return its step (0 if there is none).
 
     Under torchrun every rank loads the checkpoint rank 0 found (it wrote it), from

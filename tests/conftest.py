@@ -10,7 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agentflow import DEFAULT_MODEL, LLM, resolve_model  # noqa: E402
+from agentflow import LLM  # noqa: E402
+from support.models import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +44,6 @@ def tiny_model_dir(tmp_path_factory, default_model_path) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir) -> LLM:
-    from agentflow import load_model
+    from support.models import load_model
     model, tok = load_model(tiny_model_dir, "cpu", "float32")
     return LLM(model, tok)

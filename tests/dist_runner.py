@@ -43,7 +43,7 @@ def main(jobfile: str) -> int:
         return metrics
     train.train_step = step_and_dump
 
-    from config import load_config
+    from support.config import load_config
     reliable = tools.LocalSearch._run
     for job in spec["jobs"]:
         tools.LocalSearch._run = flaky(reliable) if job.pop("flaky", False) else reliable

@@ -30,7 +30,7 @@ class _FillPid:
 
 
 def run(req: dict) -> dict:
-    import sandbox
+    from support import sandbox
 
     holder = None
     if req.get("holder"):

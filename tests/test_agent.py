@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from agentflow import AgentSystem, agent_config, parse_plan
-from config import load_config
+from support.config import load_config
 from tools import build_tools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def test_greedy_planner_evaluation_does_not_depend_on_the_seed(tiny_llm, tmp_pat
     """eval.planner_temperature = 0: every module is greedy, so the evaluation is a
     function of the weights alone (what before-vs-after should compare); the training
     temperature samples, so another seed gives other actions."""
-    from benchmarks import Item
+    from support.datasets import Item
     from eval import evaluate
 
     agent = make_agent(tiny_llm, max_turns=1)
@@ -197,7 +197,8 @@ def test_shipped_check_on_questions_in_new_wordings(default_model_path):
     one that must still be computed with continues, a failed search continues; and the
     general prompt stops after code on an arithmetic question. A frozen model is
     imperfect: the bar is 5 of 6 (4 of 6 for the questions that continue)."""
-    from agentflow import LLM, load_model
+    from agentflow import LLM
+    from support.models import load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok))
     p = "Brel: Brel is a fishing town on the Mard coast. Brel was founded in 1840 and has a population of 9120."
@@ -247,7 +248,8 @@ def test_executor_copies_a_looked_up_number_into_code(default_model_path):
     holds a passage with two numbers, and the code must multiply the right one by the
     question's factor. Wordings and passages unlike the worked examples. A frozen 135M model
     is imperfect: the bar is half of them (with only the arithmetic example, 1 of 6)."""
-    from agentflow import LLM, Plan, load_model
+    from agentflow import LLM, Plan
+    from support.models import load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok), code_start="print(", **{"executor.max_new_tokens": 24})
     cases = [("Brel: Brel is a fishing town on the Mard coast. Brel was founded in 1840 and has a population of 9120.",
@@ -296,20 +298,3 @@ def test_planner_reads_the_memory_as_what_each_step_found(tiny_llm):
     assert "What the earlier steps found:\n- " in second and "Step 2 of at most 2." in second
     found = second.split("What the earlier steps found:")[1]  # the tool cards above name every tool
     assert not any(name in found for name in NAMES)
-
-
-def test_first_tool_probs_are_the_policys_first_token_distribution(tiny_llm):
-    """eval.py --tool-probs reads pi_theta's tool choice off a prefill: each row must be the
-    distribution the sampler draws the first action token from at temperature 1, so the
-    probability it gives the sampled tool is exp of the log-prob the rollout recorded,
-    in a batch of mixed lengths (left padding must not move it)."""
-    agent = make_agent(tiny_llm, max_turns=2)  # first_temperature 0: the first token at temperature 1
-    queries = ["Compute 48213 * 9127.", "When was the town of Velmora founded?",
-               "What is the population of Velmora multiplied by 7?"]
-    probs = agent.first_tool_probs(queries, batch=2)  # two batches, one of them padded
-    assert probs.shape == (3, len(NAMES)) and torch.allclose(probs.sum(-1), torch.ones(3))
-    for q, row in zip(queries, probs):
-        tr = agent.rollout([q] * 6, seed=5)  # six draws of the first tool from one state
-        for t in tr:
-            k = agent.tool_names.index(next(n for n in NAMES if agent.first_token[n] == t.turns[0].action_ids[0]))
-            assert abs(row[k].log().item() - t.turns[0].logprobs[0]) < 1e-4

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import Item, load_benchmark  # noqa: E402
+from support.datasets import Item, load_benchmark  # noqa: E402
 from judge import check_game24, score  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"

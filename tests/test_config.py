@@ -1,5 +1,6 @@
-"""Tests for config.py's checks: a bad path, model name, tool or missing API key fails
-in one line that names the key and the fix, before any model is loaded."""
+"""The checks before any model loads (support/config.py's load_config and preflight,
+tools.check_toolset): a bad path, model name, tool or missing API key fails in one line
+that names the key and the fix."""
 
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import ConfigError, load_config, preflight  # noqa: E402
+from support.config import ConfigError, load_config, preflight  # noqa: E402
+from tools import check_toolset  # noqa: E402
 
 DATA = [f"data.train={ROOT / 'data' / 'train.jsonl'}", f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}",
         f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
@@ -19,26 +21,30 @@ def cfg(*overrides, path=ROOT / "config.yaml"):
     return load_config(str(path), [*DATA, *overrides])
 
 
+def check(c, **kw):
+    """What train.py and eval.py check once the file is read."""
+    preflight(c, **kw)
+    check_toolset(c)
+
+
 def fails(c, *words, **kw):
     with pytest.raises(ConfigError) as e:
-        preflight(c, **kw)
+        check(c, **kw)
     msg = str(e.value)
-    assert "\n" not in msg, msg  # one line
-    for w in words:
-        assert w in msg, (w, msg)
+    assert any(all(w in line for w in words) for line in msg.splitlines()), (words, msg)  # one line says it all
     return msg
 
 
 def test_the_default_config_passes():
-    preflight(cfg())
+    check(cfg())
 
 
 def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
-    fails(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), "data.train", "nope.jsonl", "prepare_data.py")
+    fails(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), "data.train", "nope.jsonl", "scripts.prepare_data")
     fails(cfg(f"data.heldout={tmp_path / 'gone.jsonl'}"), "data.heldout", "gone.jsonl")
-    fails(cfg(f"tools.corpus={tmp_path / 'c.jsonl'}"), "tools.corpus", "tasks.py")
+    fails(cfg(f"tools.corpus={tmp_path / 'c.jsonl'}"), "tools.corpus", "scripts.make_tasks")
     # eval.py reads --benchmark, not data.*
-    preflight(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), data=False)
+    check(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), data=False)
 
 
 @pytest.mark.parametrize("name, words", [
@@ -56,9 +62,9 @@ def test_bad_model_names(name, words):
 def test_model_folder_and_hub_ids(tmp_path, monkeypatch):
     fails(cfg(f"model.name={tmp_path}"), "without config.json")
     (tmp_path / "config.json").write_text("{}")
-    preflight(cfg(f"model.name={tmp_path}"))
+    check(cfg(f"model.name={tmp_path}"))
     for ok in ("Qwen/Qwen2.5-7B-Instruct", "gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"):
-        preflight(cfg(f"model.name={ok}"))
+        check(cfg(f"model.name={ok}"))
     # a one-slash name whose first part is a local folder is a path, not a hub id
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
@@ -66,11 +72,11 @@ def test_model_folder_and_hub_ids(tmp_path, monkeypatch):
     fails(cfg(), "--model", model_paths=("/no/such/checkpoint",))
 
 
-def test_unknown_tool_fails_at_load_with_a_suggestion():
+def test_unknown_tool_fails_before_a_model_loads_with_a_suggestion():
     with pytest.raises(ConfigError, match=r"unknown tool 'Google'; did you mean Google_Search\?"):
-        cfg("agent.tools=[Base_Generator, Google]")
+        check(cfg("agent.tools=[Base_Generator, Google]"))
     with pytest.raises(ConfigError, match="known tools: .*Python_Coder"):
-        cfg("agent.tools=[Calculator]")
+        check(cfg("agent.tools=[Calculator]"))
 
 
 def test_tool_api_keys_from_the_environment(monkeypatch):
@@ -79,31 +85,33 @@ def test_tool_api_keys_from_the_environment(monkeypatch):
     c = cfg("agent.tools=[Base_Generator, Google_Search]")  # the default provider: Serper
     fails(c, "Google_Search", "SERPER_API_KEY", "google_provider is serper", "export SERPER_API_KEY")
     monkeypatch.setenv("SERPER_API_KEY", "k")
-    preflight(c)
+    check(c)
     fails(cfg("agent.tools=[Google_Search]", "tools.serper_key_env=MY_SERPER"), "MY_SERPER")
     c = cfg("agent.tools=[Base_Generator, Google_Search]", "tools.google_provider=cse")
     fails(c, "Google_Search", "GOOGLE_API_KEY and GOOGLE_CSE_ID", "export GOOGLE_API_KEY")
     monkeypatch.setenv("GOOGLE_API_KEY", "k")
     fails(c, "GOOGLE_CSE_ID")
     monkeypatch.setenv("GOOGLE_CSE_ID", "cx")
-    preflight(c)
+    check(c)
     with pytest.raises(ConfigError, match="serper, cse"):
-        cfg("tools.google_provider=bing")
+        check(cfg("tools.google_provider=bing"))
+    with pytest.raises(ConfigError, match="unknown config key 'tools.serper_kye'"):
+        check(cfg("tools.serper_kye=X"))
 
 
 def test_wikipedia_needs_a_contact_address():
     c = cfg("agent.tools=[Base_Generator, Wikipedia_Search]")
     fails(c, "tools.contact", "User-Agent", "tools.contact=you@example.org")
-    preflight(cfg("agent.tools=[Wikipedia_Search]", "tools.contact=me@example.org"))
+    check(cfg("agent.tools=[Wikipedia_Search]", "tools.contact=me@example.org"))
     # a local mirror is not Wikimedia's: its own rules, not checked here
-    preflight(cfg("agent.tools=[Wikipedia_Search]", "tools.wikipedia_url=http://127.0.0.1:8080/w/api.php"))
+    check(cfg("agent.tools=[Wikipedia_Search]", "tools.wikipedia_url=http://127.0.0.1:8080/w/api.php"))
 
 
 def test_a_corpus_index_must_be_built(tmp_path):
-    fails(cfg(f"tools.corpus_index={tmp_path / 'idx'}"), "tools.corpus_index", "retriever.py build")
+    fails(cfg(f"tools.corpus_index={tmp_path / 'idx'}"), "tools.corpus_index", "scripts.build_index")
     (tmp_path / "idx").mkdir()
     (tmp_path / "idx" / "meta.json").write_text("{}")
-    preflight(cfg(f"tools.corpus_index={tmp_path / 'idx'}", f"tools.corpus={tmp_path / 'unused.jsonl'}"))
+    check(cfg(f"tools.corpus_index={tmp_path / 'idx'}", f"tools.corpus={tmp_path / 'unused.jsonl'}"))
 
 
 def test_judge_endpoint_settings(monkeypatch):
@@ -111,20 +119,20 @@ def test_judge_endpoint_settings(monkeypatch):
     on = ("judge.llm=true", "judge.base_url=http://127.0.0.1:8000/v1", "judge.model=qwen")
     fails(cfg(*on, "judge.api_key_env=MY_JUDGE_KEY"), "judge.api_key_env", "MY_JUDGE_KEY", "judge.api_key_env=''")
     monkeypatch.setenv("MY_JUDGE_KEY", "sk-x")
-    preflight(cfg(*on, "judge.api_key_env=MY_JUDGE_KEY"))
-    preflight(cfg(*on, "judge.api_key_env=''"))  # a local server with no key
+    check(cfg(*on, "judge.api_key_env=MY_JUDGE_KEY"))
+    check(cfg(*on, "judge.api_key_env=''"))  # a local server with no key
     fails(cfg("judge.llm=true", "judge.base_url=http://h/v1", "judge.api_key_env=''"), "judge.model")
     fails(cfg("judge.llm=true", "judge.base_url=localhost:8000", "judge.model=m", "judge.api_key_env=''"),
           "http://")
-    preflight(cfg("judge.llm=true"))  # empty base_url: the frozen policy judges, nothing to check
-    preflight(cfg(*on, "judge.llm=false", "judge.api_key_env=UNSET_ANYWAY"))  # off: not checked
+    check(cfg("judge.llm=true"))  # empty base_url: the frozen policy judges, nothing to check
+    check(cfg(*on, "judge.llm=false", "judge.api_key_env=UNSET_ANYWAY"))  # off: not checked
 
 
 def test_paper_config_points_at_the_prepared_mix():
     c = load_config(str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"))
     assert c["data"]["train"].endswith("nq_deepmath/train.jsonl")
     if not Path(c["data"]["train"]).exists():
-        fails(c, "data.train", "prepare_data.py train")
+        fails(c, "data.train", "scripts.prepare_data train")
 
 
 def test_cli_fails_in_one_line_before_loading_a_model(capsys, tmp_path):
@@ -151,4 +159,4 @@ def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch):
     fails(c, "SERPER_API_KEY", "export SERPER_API_KEY")
     monkeypatch.setenv("SERPER_API_KEY", "k")
     fails(c, "tools.contact")
-    preflight(cfg("tools.contact=me@example.org", path=paper))
+    check(cfg("tools.contact=me@example.org", path=paper))

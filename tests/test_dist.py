@@ -3,7 +3,7 @@ they take together is the step one process takes on the same rollouts; a sharded
 evaluation writes what one process writes, and resumes; a resumed 2-rank run reaches
 the uninterrupted one's weights.
 
-"The same rollouts": rank r rolls out its whole groups (dist.World.shard) with seed
+"The same rollouts": rank r rolls out its whole groups (ranks.World.shard) with seed
 train.rollout_seed(step seed, r). The sampler's random stream depends on which rows share
 a batch, so one process given all Q queries in one batch draws other tokens; the
 reference process here rolls out the same two parts, each with its rank's seed, and
@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dist
+from support import ranks
 import eval as evaluation
 import train
 from agentflow import AgentSystem
-from config import load_config
+from support.config import load_config
 from test_train import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         def as_two_ranks(self, queries, seed=0, max_turns=None):
             out = []
             for r in range(2):
-                part = dist.World(rank=r, size=2).shard(len(queries) // G)
+                part = ranks.World(rank=r, size=2).shard(len(queries) // G)
                 out += real(self, queries[part.start * G:part.stop * G], seed=train.rollout_seed(seed, r),
                             max_turns=max_turns)
             return out

@@ -445,7 +445,7 @@ def test_first_update_is_exactly_on_policy_in_bf16(bf16_policy, epochs, minibatc
     """In bf16 the sampler's log-probs differ from the trainer's by rounding (logprob_gap >
     0), yet rho == 1 exactly on the first optimizer step and nothing is clipped there:
     pi_old is the trainer's own forward. With several steps, the later ones see rho != 1."""
-    import optim
+    from support import optim
     from flow_grpo import policy_update
 
     llm16, r16, _, _ = bf16_policy

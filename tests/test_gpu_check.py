@@ -3,7 +3,7 @@ between the rare runs on a GPU."""
 
 import re
 
-import gpu_check
+from scripts import gpu_check
 
 
 def test_gpu_check_runs_on_a_cpu(capsys):
@@ -31,5 +31,5 @@ def test_the_memory_part_runs_on_fake_counters(monkeypatch, capsys):
     gpu_check.check_memory(r, gpu_check.SIZES["cpu"], "cpu")
     out = capsys.readouterr().out
     for name in ("plan: memory plan", "memory_sampler_peak_planned_gb", "memory_update_peak_planned_gb",
-                 "memory_sampler_waves", "memory_resident_within_plan_ok"):
+                 "memory_sampler_sub_batches", "memory_resident_within_plan_ok"):
         assert name in out, name

@@ -184,7 +184,7 @@ def test_dates_in_text_answers():
 def test_every_shipped_gold_scores_itself(path):
     """Each benchmark's gold, written back as the model's answer, earns reward 1
     (through the same loader and score_item the training uses)."""
-    from benchmarks import load_benchmark
+    from support.datasets import load_benchmark
     for it in load_benchmark(str(path)):
         if it.kind == "game24":
             continue  # the reference expression is checked in the game24 tests
@@ -471,7 +471,7 @@ def test_eval_scores_through_the_configured_judge(server, tmp_path):
     """eval.evaluate with an LLM judge on a loopback endpoint: each result row and the
     summary say who decided (a stand-in agent, so no model is needed)."""
     import eval as evaluation
-    from benchmarks import Item
+    from support.datasets import Item
 
     class Traj:
         def __init__(self, answer):

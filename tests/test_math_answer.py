@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from math_answer import clean, equivalent, parse  # noqa: E402
+from support.math_answer import clean, equivalent, parse  # noqa: E402
 
 
 @pytest.mark.parametrize("pred, gold", [

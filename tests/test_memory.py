@@ -1,6 +1,7 @@
 """Memory: deterministic, bounded, readable; one per trajectory."""
 
-from memory import Memory, cut
+from memory import Memory
+from support.text import cut
 
 
 def filled(budget=1200, result_chars=400) -> Memory:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import train
-from config import load_config
-from memory_plan import GB, plan_for
+from support.config import load_config
+from support.device_memory import GB, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVEN_B = ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"
@@ -51,20 +51,20 @@ def test_the_7b_shape_is_counted_exactly(qwen7b):
 
 @pytest.mark.parametrize("gb", [80, 141])
 def test_the_paper_setup_fits(qwen7b, gb, capsys):
-    """256 rollouts of 2,048 + 2,048 tokens: the sampler runs them in waves sized to what
+    """256 rollouts of 2,048 + 2,048 tokens: the sampler runs them in sub-batches sized to what
     the resident memory (weights once, masters, AdamW, fp32 grads) leaves; the update at
     the config's micro_batch fits beside it. The printed plan says so."""
     p = plan(qwen7b, f"model.memory_gb={gb}", *PAPER_LENGTHS)
     assert p.fits, p.text()
     assert p.peak <= gb * GB and p.resident + p.update <= gb * GB
-    assert p.rows_per_wave >= (100 if gb == 80 else 256)  # 141 GB: all 256 rollouts in one wave
-    assert p.wave_bytes and p.prefill_tokens == 8192 and p.update_tokens == 2 * 4096
+    assert p.rows_per_sub_batch >= (100 if gb == 80 else 256)  # 141 GB: all 256 rollouts in one sub-batch
+    assert p.sub_batch_bytes and p.prefill_tokens == 8192 and p.update_tokens == 2 * 4096
     # The frozen reference shares the 20 frozen blocks: one copy of the weights (~15 GB in
     # bf16), not two, and only the trained ~1.9B parameters are copied.
     assert 15.0 * GB < p.items[0][1] < 15.5 * GB and p.items[1][1] < 4 * GB
     print(p.text())
     out = capsys.readouterr().out
-    assert "fits" in out and "rows per wave" in out
+    assert "fits" in out and "rows per sub-batch" in out
 
 
 def test_refusals_name_the_knob(qwen7b):
@@ -102,7 +102,7 @@ def test_a_run_that_cannot_fit_stops_before_loading_anything(qwen7b, tmp_path, c
 def test_the_cpu_default_has_no_limit(tiny_model_dir):
     cfg = load_config(str(ROOT / "config.yaml"), [f"model.name={tiny_model_dir}", "model.device=cpu"])
     p = plan_for(cfg)
-    assert p.budget is None and p.fits and p.wave_bytes is None and p.prefill_tokens is None
+    assert p.budget is None and p.fits and p.sub_batch_bytes is None and p.prefill_tokens is None
     assert p.update_tokens == 0  # micro-batches by rows only, as before
     assert "no limit" in p.text()
 
@@ -117,8 +117,8 @@ def test_the_update_activations_bound_what_autograd_saves(dtype):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import optim
-    from memory_plan import model_shape, saved_per_token_layer
+    from support import optim
+    from support.device_memory import model_shape, saved_per_token_layer
 
     cfg = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)

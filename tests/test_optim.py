@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-import optim
+from support import optim
 
 LR = 1e-6  # the paper's
 

@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import prepare_data  # noqa: E402
-from benchmarks import load_benchmark, read_jsonl  # noqa: E402
+from scripts import prepare_data  # noqa: E402
+from support.datasets import load_benchmark, read_jsonl  # noqa: E402
 from judge import score_item  # noqa: E402
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -84,7 +84,8 @@ def source_dir(tmp_path):
 
 
 def test_help_and_usage():
-    r = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "scripts.prepare_data", "--help"], capture_output=True, text=True,
+                       cwd=ROOT)
     assert r.returncode == 0 and "--dry-run" in r.stdout and "gated" in r.stdout
 
 
@@ -183,15 +184,15 @@ def test_missing_local_files_name_the_path(tmp_path, capsys):
 
 def test_offline_is_one_line(tmp_path):
     """The real hub client with the network unavailable (HF_HUB_OFFLINE, empty cache)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_TOKEN="")
-    r = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "train", "--out", str(tmp_path / "o")],
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_TOKEN="", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "scripts.prepare_data", "train", "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot reach the Hugging Face hub") and "--from DIR" in last
     assert not (tmp_path / "o").exists()
     # the dry run offline is a plan, not an error
-    r = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "all", "--dry-run"],
+    r = subprocess.run([sys.executable, "-m", "scripts.prepare_data", "all", "--dry-run"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 0 and "would download zwhe99/DeepMath-103K" in r.stdout
     assert "gated: accept its terms at https://huggingface.co/datasets/gaia-benchmark/GAIA" in r.stdout

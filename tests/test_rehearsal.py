@@ -4,10 +4,10 @@ The config as shipped, with what a CPU test cannot have replaced: Qwen2.5-7B by 
 random Qwen2 of the same kind (untied embeddings, q/k/v biases, bfloat16, the project's
 tokenizer), the NQ + DeepMath files by small ones written here, Wikipedia and Google by a
 loopback HTTP server (their URLs are config keys, Google through Serper as configured; Web_Search may fetch from it through
-tools.url_allow), and a memory budget small enough that the sampler must run in waves.
+tools.url_allow), and a memory budget small enough that the sampler must run in sub-batches.
 One training step of 3 turns, then the held-out evaluation of a few items, with the LLM
 judge on the frozen engine as configured. It exercises bf16 weights with fp32 masters,
-the waves, the chunked log-probs and the plan's limits together."""
+the sub-batches, the chunked log-probs and the plan's limits together."""
 
 import json
 import threading
@@ -112,10 +112,10 @@ def write_data(d: Path) -> tuple[Path, Path]:
 
 def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api, monkeypatch):
     import agentflow
-    import speedups
+    from support import speed
     import train
-    from config import load_config
-    from memory_plan import GB, plan_for
+    from support.config import load_config
+    from support.device_memory import DECODE_BYTES_PER_LOGIT, GB, plan_for
 
     train_file, heldout_file = write_data(tmp_path)
     overrides = [
@@ -131,18 +131,18 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
         "model.max_prompt_tokens=256", "model.prefill_tokens=256", "train.logits_chunk=4",
     ]
     config_path = str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml")
-    # A budget that leaves the sampler room for a few rows a wave (at least two waves for a
+    # A budget that leaves the sampler room for a few rows a sub-batch (at least two sub-batches for a
     # call of 8 rows) and the update room to run: budget = resident + prefill + 2.5 rows, where
     # the resident part grows with the budget by the plan's 3% slack.
     probe = plan_for(load_config(config_path, overrides + ["model.memory_gb=1"]))
     fixed = probe.resident - 0.03 * probe.budget  # weights, the reference's copies, masters, AdamW, grads
     prefill = next(b for what, b, _ in probe.items if "prefill forward" in what)
-    per_row = (256 + 8) * probe.shape.kv_bytes_per_token(2) + probe.shape.vocab * speedups.DECODE_BYTES_PER_LOGIT
+    per_row = (256 + 8) * probe.shape.kv_bytes_per_token(2) + probe.shape.vocab * DECODE_BYTES_PER_LOGIT
     budget = max(fixed + prefill + 2.5 * per_row, 1.01 * (fixed + probe.update)) / 0.97
     overrides.append(f"model.memory_gb={budget / GB:.6f}")
     plan = plan_for(load_config(config_path, overrides))
     assert plan.fits, plan.text()
-    assert 1 <= plan.rows_per_wave < 8, plan.text()
+    assert 1 <= plan.rows_per_sub_batch < 8, plan.text()
     cfg = load_config(config_path, overrides)
     assert cfg["model"]["dtype"] == "bfloat16" and not cfg["agent"]["constrain_tool"]
     assert cfg["judge"]["llm"] and not cfg["judge"]["base_url"]  # the frozen engine judges
@@ -176,14 +176,14 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     real_sample = agentflow.LLM.sample
 
     def counted(self, prompts, *a, **k):
-        before = self.waves_run
+        before = self.sub_batches_run
         out = real_sample(self, prompts, *a, **k)
-        calls.append((len(prompts), self.waves_run - before))
+        calls.append((len(prompts), self.sub_batches_run - before))
         return out
 
     monkeypatch.setattr(agentflow.LLM, "sample", counted)
-    real_chunked = speedups.chunked_logprobs
-    monkeypatch.setattr(speedups, "chunked_logprobs", lambda *a, **k: chunked.append(a[0].shape) or real_chunked(*a, **k))
+    real_chunked = speed.chunked_logprobs
+    monkeypatch.setattr(speed, "chunked_logprobs", lambda *a, **k: chunked.append(a[0].shape) or real_chunked(*a, **k))
 
     assert train.main([config_path, *overrides]) == 0
     out = tmp_path / "run"
@@ -192,8 +192,8 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     m = metrics[0]
     assert m["planner_tokens"] > 0 and m["ratio_dev_first_step"] == 0.0  # on-policy in bf16
     assert m["logprob_gap"] > 0  # ... although the bf16 sampler's arithmetic is not the trainer's
-    assert any(w >= 2 for _, w in calls)  # calls with more rows than a wave holds ran in waves
-    assert all(w >= 1 for n, w in calls if n) and m["sampler_waves"] > 0
+    assert any(w >= 2 for _, w in calls)  # calls with more rows than a sub-batch holds ran in sub-batches
+    assert all(w >= 1 for n, w in calls if n) and m["sampler_sub_batches"] > 0
     assert m["grad_norm"] > 0 and m["zero_variance_groups"] < 1  # a real update ...
     assert set(m["tool_shares"]) == set(cfg["agent"]["tools"])  # ... after every tool ran
     assert "/w/api.php" in api.seen and "/search" in api.seen

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
-import charts  # noqa: E402
-import report  # noqa: E402
+from support.report import charts  # noqa: E402
+from support.report import page as report  # noqa: E402
 from eval import summarize  # noqa: E402  (the real summary format)
 
 HOSTILE = "</script><img src=x onerror=alert(1)>"
@@ -580,7 +580,7 @@ def test_flipped_items(tmp_path):
 def test_plans_per_kind(tmp_path, capsys):
     """A plan is the tools of one trajectory in order. The summary's shares, the train.py
     table and the report's table all count them from the same held-out rows."""
-    from memory import plan_of
+    from support.text import plan_of
     from train import print_learning_table
     assert plan_of(["Local_Search", "Python_Coder"]) == "Local_Search > Python_Coder"
     assert plan_of([]) == "(no tool)"
@@ -629,12 +629,12 @@ def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
         assert re.fullmatch(r"[0-9a-f]{40}( dirty)?", procs[0]["git_commit"])
     stamps = [f for f in registered if f.__qualname__.startswith("record_run")]  # (imports register theirs)
     assert len(stamps) == 2
-    report.note_run(out, first, decode="xw")  # known once the model has loaded: the first process's only
+    report.note_run(out, first, decode="step")  # known once the model has loaded: the first process's only
     for stamp in stamps:  # the exit hooks: each stamps its own process's wall time
         stamp()
     procs = json.loads((out / "run.json").read_text())["processes"]
     assert all(p["wall_s"] >= 0 for p in procs)
-    assert procs[0]["decode"] == "xw" and "decode" not in procs[1]  # kept through the exit stamp
+    assert procs[0]["decode"] == "step" and "decode" not in procs[1]  # kept through the exit stamp
     procs[0]["wall_s"], procs[1]["wall_s"] = 100.0, 65.0
     (out / "run.json").write_text(json.dumps({"processes": procs}))
     text = report.write_report(out).read_text(encoding="utf-8")

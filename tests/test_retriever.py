@@ -1,4 +1,4 @@
-"""Tests for retriever.py: the on-disk index gives BM25's exact answers (the in-memory
+"""Tests for bm25.py: the on-disk index gives BM25's exact answers (the in-memory
 class is the yardstick, itself checked against the formula in test_tools.py), its
 pruning skips what it may and nothing else, the corpus formats it reads, and its command."""
 
@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import retriever  # noqa: E402
-from retriever import BM25, DiskBM25, build_index, read_passages  # noqa: E402
+from support import bm25  # noqa: E402
+from support.bm25 import BM25, DiskBM25, build_index, read_passages  # noqa: E402
 
 
 def write_jsonl(path, rows):
@@ -130,11 +130,11 @@ def test_a_corpus_without_words(tmp_path):
 
 
 def test_an_index_is_checked_when_opened(tmp_path):
-    with pytest.raises(FileNotFoundError, match="retriever.py build"):
+    with pytest.raises(FileNotFoundError, match="scripts.build_index"):
         DiskBM25(tmp_path)
     build_index(write_jsonl(tmp_path / "c.jsonl", [{"title": "a", "text": "b"}]), tmp_path / "i", progress=False)
     meta = json.loads((tmp_path / "i" / "meta.json").read_text())
-    (tmp_path / "i" / "meta.json").write_text(json.dumps({**meta, "format": retriever.FORMAT + 1}))
+    (tmp_path / "i" / "meta.json").write_text(json.dumps({**meta, "format": bm25.FORMAT + 1}))
     with pytest.raises(ValueError, match="rebuild it"):
         DiskBM25(tmp_path / "i")
 
@@ -158,16 +158,18 @@ def test_postings_are_laid_out_term_by_term(tmp_path):
 # ----------------------------------------------------------------------------- the command
 
 def test_build_and_search_commands(tmp_path, capsys):
+    from scripts import build_index
+
     corpus = write_jsonl(tmp_path / "c.jsonl", [
         {"id": "v1", "title": "Velmora", "text": "Velmora is a river town founded in 1742."},
         {"id": "o1", "title": "Ostrand", "text": "Ostrand is a mountain village."}])
-    assert retriever.main(["build", str(corpus), str(tmp_path / "idx")]) == 0
+    assert build_index.main([str(corpus), str(tmp_path / "idx")]) == 0
     assert "indexed 2 passages" in capsys.readouterr().out
-    assert retriever.main(["search", str(tmp_path / "idx"), "when was velmora founded", "-k", "1"]) == 0
+    assert build_index.main(["--search", str(tmp_path / "idx"), "when was velmora founded", "-k", "1"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "[v1] Velmora: Velmora is a river town founded in 1742." in out[0]
-    assert retriever.main(["build", str(corpus), str(tmp_path / "idx")]) == 2  # never over an index
+    assert build_index.main([str(corpus), str(tmp_path / "idx")]) == 2  # never over an index
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not empty" in err
-    assert retriever.main(["build", str(tmp_path / "none.jsonl"), str(tmp_path / "x")]) == 2
+    assert build_index.main([str(tmp_path / "none.jsonl"), str(tmp_path / "x")]) == 2
     assert "corpus file not found" in capsys.readouterr().err

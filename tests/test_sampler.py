@@ -4,7 +4,8 @@ every new token, no cache, no padding, no batching, no shared prefix."""
 import pytest
 import torch
 
-from agentflow import LLM, SamplingParams, load_model, restrict
+from agentflow import LLM, SamplingParams, restrict
+from support.models import load_model
 
 SYSTEM = "You pick tools. Available: Python_Coder, Local_Search, Base_Generator. Reply with a tool name."
 QUESTIONS = ["What is 2+2?", "When was the town of Velmora founded, and by whom?", "Compute 48213 * 9127.",
@@ -96,7 +97,7 @@ def test_same_seed_same_tokens_and_sampled_logprobs_match(tiny_llm):
 
 def test_plain_path_equals_fast_path(tiny_llm):
     """agentflow.py's plain prefill and decode (the reference a learner reads) against the
-    speedups.py path the sampler runs by default: the same greedy tokens and log-probs,
+    speed.py path the sampler runs by default: the same greedy tokens and log-probs,
     both equal to naive recomputation; sampling on the plain path is seeded too."""
     plain = LLM(tiny_llm.model, tiny_llm.tok, fast=False)
     prompts = prompts_for(tiny_llm) + prompts_for(tiny_llm)[:2]  # duplicates: the fast path runs them once
@@ -111,16 +112,16 @@ def test_plain_path_equals_fast_path(tiny_llm):
 
 
 def test_bench_concat_cache_samples_what_the_in_place_cache_samples(tiny_llm):
-    """bench.py's kv_cache_in_place_speedup compares equal work: with each new position
-    concatenated onto the cache (bench.ConcatLayer), the sampler draws the same tokens."""
+    """speed_bench.py's kv_cache_in_place_speedup compares equal work: with each new position
+    concatenated onto the cache (speed_bench.ConcatLayer), the sampler draws the same tokens."""
     from unittest.mock import patch
 
-    import bench
-    import speedups
+    from scripts import speed_bench
+    from support import speed
     prompts = prompts_for(tiny_llm) * 2
     hot = SamplingParams(1.0, max_new_tokens=9)
     ours = tiny_llm.sample(prompts, hot, seed=5)
-    with patch.object(speedups, "roomy_cache", bench.concat_cache):
+    with patch.object(speed, "roomy_cache", speed_bench.concat_cache):
         theirs = tiny_llm.sample(prompts, hot, seed=5)
     assert [s.ids for s in ours] == [s.ids for s in theirs]
     assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
@@ -201,7 +202,7 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
     and growth past its capacity."""
     from transformers import DynamicCache
 
-    from speedups import prefill, roomy_cache
+    from support.speed import prefill, roomy_cache
 
     model = tiny_llm.model
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (i + 1) for i in range(4)]  # shared prefix of 9
@@ -229,17 +230,17 @@ def test_roomy_cache_equals_dynamic_cache(tiny_llm):
 
 
 @pytest.mark.parametrize("b", [1, 3, 64])
-def test_linear_wx_equals_nn_linear(b):
-    """decode_step's _linear_wx (W @ x^T) against nn.Linear, with a bias, for a narrow
-    layer and one as wide as a vocabulary projection."""
-    from speedups import _linear_wx
+def test_linear_transposed_equals_nn_linear(b):
+    """decode_step_transposed's linear_transposed (W @ x^T) against nn.Linear, with a bias,
+    for a narrow layer and one as wide as a vocabulary projection."""
+    from support.speed import linear_transposed
 
     torch.manual_seed(0)
     for out in (40, 5127):
         lin = torch.nn.Linear(24, out)
         x = torch.randn(b, 24)
         with torch.no_grad():
-            ours, ref = _linear_wx(x, lin), lin(x)
+            ours, ref = linear_transposed(x, lin), lin(x)
         assert ours.shape == ref.shape == (b, out) and ours.is_contiguous()
         assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
 
@@ -263,7 +264,7 @@ def tiny_qwen2(vocab_size: int):
 def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
     """decode_step (the decoder written out for one position) gives the logits of the
     model's own forward, step after step, on left-padded rows behind a shared prefix."""
-    from speedups import decode_step, prefill, roomy_cache
+    from support.speed import decode_step, prefill, roomy_cache
 
     model = tiny_llm.model if arch == "llama" else tiny_qwen2(tiny_llm.model.config.vocab_size)
     assert model.config.model_type == arch
@@ -285,18 +286,15 @@ def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
 def test_sampler_with_every_decode_way(tiny_llm):
     """The plain decode (the model's own forward) and decode_step in both linear layouts
     run in the same loop: they sample the same tokens with the same log-probs."""
-    from agentflow import decode
-    from speedups import decode_step, decode_step_xw
-
     prompts = prompts_for(tiny_llm)
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
-    chosen, results = tiny_llm.decode, []
+    chosen, results = tiny_llm.decode_name, []
     try:
-        for way in (decode, decode_step, decode_step_xw):
-            tiny_llm.decode = way
+        for way in ("forward", "step", "step_transposed"):
+            tiny_llm.use_decode(way)
             results.append(tiny_llm.sample(prompts, params, seed=7))
     finally:
-        tiny_llm.decode = chosen
+        tiny_llm.use_decode(chosen)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert a.ids == b.ids
@@ -304,35 +302,34 @@ def test_sampler_with_every_decode_way(tiny_llm):
 
 
 def test_decode_way_is_measured_once_per_machine_and_remembered(tiny_llm, tmp_path, monkeypatch):
-    import speedups
+    from support import speed
 
     monkeypatch.setenv("AGENTFLOW_HOME", str(tmp_path))
-    monkeypatch.setattr(speedups, "_CHOICES", {})
+    monkeypatch.setattr(speed, "_CHOICES", {})
     measured = []
-    monkeypatch.setattr(speedups, "_measure_decode", lambda model, ways: measured.append(1) or "xw")
-    assert speedups.choose_decode(tiny_llm.model) is speedups.decode_step_xw
-    assert measured == [1] and "xw" in (tmp_path / "engine.json").read_text()
-    monkeypatch.setattr(speedups, "_CHOICES", {})  # a new process: read from the file, not measured
-    assert speedups.choose_decode(tiny_llm.model) is speedups.decode_step_xw and measured == [1]
-    monkeypatch.setenv("AGENTFLOW_DECODE", "plain")
-    assert speedups.choose_decode(tiny_llm.model) is None
+    monkeypatch.setattr(speed, "_measure_decode", lambda model: measured.append(1) or "step")
+    assert speed.choose_decode(tiny_llm.model) == "step"
+    assert measured == [1] and '"step"' in (tmp_path / "engine.json").read_text()
+    monkeypatch.setattr(speed, "_CHOICES", {})  # a new process: read from the file, not measured
+    assert speed.choose_decode(tiny_llm.model) == "step" and measured == [1]
+    monkeypatch.setenv("AGENTFLOW_DECODE", "forward")
+    assert speed.choose_decode(tiny_llm.model) == "forward"
     monkeypatch.setenv("AGENTFLOW_DECODE", "fastest")
     with pytest.raises(ValueError, match="AGENTFLOW_DECODE"):
-        speedups.choose_decode(tiny_llm.model)
+        speed.choose_decode(tiny_llm.model)
 
 
 def test_decode_measurement_names_a_way(tiny_llm):
-    import speedups
+    from support import speed
 
-    ways = {"plain": None, "wx": speedups.decode_step, "xw": speedups.decode_step_xw}
-    assert speedups._measure_decode(tiny_llm.model, ways, rows=4, rounds=1) in ways
+    assert speed._measure_decode(tiny_llm.model, rows=4, rounds=1) in ("forward", *speed.DECODE_STEPS)
 
 
 def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
     """Inverse-CDF sampling: frequencies over 40k draws match w / sum(w) within 5 sigma,
     zero weights (top-k / top-p / first-token cuts) are never drawn, and a uniform that
     rounds up to the total still lands on a token with weight."""
-    from speedups import draw
+    from support.speed import draw
 
     w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])  # unnormalised, zeros inside and at both ends
     p = w / w.sum()
@@ -345,7 +342,7 @@ def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
 
 
 def test_draw_edge_uniform_at_the_total(monkeypatch):
-    from speedups import draw
+    from support.speed import draw
 
     w = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 4.0]])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1]))  # u = the row's total
@@ -357,7 +354,7 @@ def test_length_groups_is_the_cheapest_split():
     import itertools
     import random
 
-    from speedups import length_groups
+    from support.speed import length_groups
 
     def cost(groups, lengths, c):
         return sum(len(g) * max(lengths[r] for r in g) + c for g in groups)
@@ -386,8 +383,8 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
     (and, with `families`, rows that share more run that part once per family); the
     logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
     of the one left-padded batch where each row computes all of its own tokens."""
-    import speedups
-    from speedups import decode_step, length_groups, prefill, roomy_cache, shared_families
+    from support import speed
+    from support.speed import decode_step, length_groups, prefill, roomy_cache, shared_families
 
     model = tiny_llm.model
     if families:  # rows 0, 1 share 12 more tokens, rows 2, 3 share 10; row 4 shares nothing more
@@ -410,8 +407,8 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
     try:
         for name in ("shared", "one batch"):
             if name == "one batch":
-                monkeypatch.setattr(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))])
-                monkeypatch.setattr(speedups, "shared_families", lambda seqs, shareable, P: [])
+                monkeypatch.setattr(speed, "length_groups", lambda lengths: [list(range(len(lengths)))])
+                monkeypatch.setattr(speed, "shared_families", lambda seqs, shareable, P: [])
             tokens.clear()
             with torch.no_grad():
                 cache = roomy_cache()
@@ -446,7 +443,7 @@ def test_sampler_with_families_equals_naive(tiny_llm):
     """Verifier-like prompts: the G rows of a query share the question, then their
     memories differ. The sampler runs each question once; greedy tokens and log-probs
     are those of recomputing every row alone."""
-    from speedups import common_prefix_len, shared_families
+    from support.speed import common_prefix_len, shared_families
 
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
@@ -457,7 +454,7 @@ def test_sampler_with_families_equals_naive(tiny_llm):
 
 def test_shared_families():
     """Rows group by what they share beyond the common prefix P, within `shareable`."""
-    from speedups import MIN_SHARED, shared_families
+    from support.speed import MIN_SHARED, shared_families
 
     q = list(range(100, 100 + MIN_SHARED + 4))  # a question: MIN_SHARED + 4 tokens
     seqs = [[1] * 10 + q + [7], [1] * 10 + [2] * 30, [1] * 10 + q + [8, 9], [1] * 10 + q + [7, 5]]
@@ -475,16 +472,14 @@ def test_a_model_decode_step_does_not_cover(tiny_llm):
     forward in the same loop still equal full recomputation."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from speedups import length_groups
+    from support.speed import length_groups
 
     torch.manual_seed(0)
     tok = tiny_llm.tok
     cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    from agentflow import decode
-
     llm = LLM(GPT2LMHeadModel(cfg).eval(), tok)
-    assert llm.decode is decode  # choose_decode covers Llama and Qwen2 only
+    assert llm.decode_name == "forward"  # the written-out steps cover Llama and Qwen2 only
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
     assert len(length_groups([len(p) - 8 for p in prompts])) == 2
     check_against_naive(llm, prompts, n=5)
@@ -496,7 +491,7 @@ def test_draw_reaches_the_tail_of_a_152k_vocabulary(monkeypatch):
     tail tokens behind it (1e-9 each) had intervals of width zero (and on a GPU, which
     also adds in float32, all of them). With the float64 sum each keeps its own interval:
     a uniform that lands inside token k's interval draws token k."""
-    from speedups import draw
+    from support.speed import draw
 
     V = 152_064
     w = torch.full((1, V), 1e-9)
@@ -511,34 +506,35 @@ def test_draw_reaches_the_tail_of_a_152k_vocabulary(monkeypatch):
         assert draw(w, torch.Generator()).item() == k
 
 
-def test_waves_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
-    """Rows that do not fit one wave's budget run as successive waves: the same greedy
-    tokens as one wave (and as full recomputation), each wave's cache within the budget."""
-    import speedups
+def test_sub_batches_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
+    """Rows that do not fit one sub-batch's budget run as successive sub-batches: the same greedy
+    tokens as one sub-batch (and as full recomputation), each sub-batch's cache within the budget."""
+    from support import speed
+    from support.device_memory import DECODE_BYTES_PER_LOGIT, kv_bytes_per_token
 
     prompts = prompts_for(tiny_llm) * 2
     params = SamplingParams(0.0, max_new_tokens=6)
     one = tiny_llm.sample(prompts, params)
-    per_token = speedups.kv_bytes_per_token(tiny_llm.model.config, 4)
-    per_row = tiny_llm.model.config.vocab_size * speedups.DECODE_BYTES_PER_LOGIT
+    per_token = kv_bytes_per_token(tiny_llm.model.config, 4)
+    per_row = tiny_llm.model.config.vocab_size * DECODE_BYTES_PER_LOGIT
     budget = 3 * ((max(map(len, prompts)) + 6) * per_token + per_row)  # about three rows
     caches = []
-    real = speedups.prefill_prompts
+    real = speed.prefill_prompts
 
     def spy(*a, **k):
         out = real(*a, **k)
         caches.append((len(a[1]), out[2]))
         return out
 
-    monkeypatch.setattr(speedups, "prefill_prompts", spy)
+    monkeypatch.setattr(speed, "prefill_prompts", spy)
     llm = LLM(tiny_llm.model, tiny_llm.tok)
-    llm.wave_bytes = budget
-    waves = llm.sample(prompts, params)
-    assert llm.waves_run >= 3 and sum(n for n, _ in caches) == len(prompts)
+    llm.sub_batch_bytes = budget
+    split = llm.sample(prompts, params)
+    assert llm.sub_batches_run >= 3 and sum(n for n, _ in caches) == len(prompts)
     for n, cache in caches:
         held = sum(l.k_store.numel() * 4 + l.v_store.numel() * 4 for l in cache.layers)
         assert held + n * per_row <= budget, (held, budget)
-    for a, b in zip(one, waves):
+    for a, b in zip(one, split):
         assert a.ids == b.ids and a.finish == b.finish
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     check_against_naive(llm, prompts[:5], n=6)
@@ -547,10 +543,10 @@ def test_waves_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
 def test_the_cache_is_allocated_once_at_its_final_size(tiny_llm, monkeypatch):
     """Prefix repeat, identical prompts spread to their copies, groups and families laid
     out, rows dropped: all inside the buffers allocated at the first update, never moved."""
-    import speedups
+    from support import speed
 
     moves = []
-    monkeypatch.setattr(speedups.RoomyLayer, "_move", lambda self, *a: moves.append(a))
+    monkeypatch.setattr(speed.RoomyLayer, "_move", lambda self, *a: moves.append(a))
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
     long = tiny_llm.chat_ids(SYSTEM, "word " * 60, "Tool:")

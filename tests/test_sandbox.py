@@ -1,4 +1,4 @@
-"""Tests for sandbox.py (and the Python_Coder tool on top of it): hostile programs, run
+"""Tests for support/sandbox.py (and the Python_Coder tool on top of it): hostile programs, run
 as root and as an ordinary user.
 
 When the tests run as root (as in CI) the "user" runs go through a helper process that
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sandbox  # noqa: E402
+from support import sandbox  # noqa: E402
 import sandbox_runner  # noqa: E402
 import tools  # noqa: E402
 from tools import ToolResult, run_tool_calls  # noqa: E402
@@ -51,16 +51,19 @@ def _nobody():
 
 @pytest.fixture(scope="session")
 def user_helper():
-    """(python, lib dir) for running the sandbox as `nobody`: copies of sandbox.py, memory.py and
-    the runner in a world-readable directory, and a python that nobody can run."""
+    """(python, lib dir) for running the sandbox as `nobody`: copies of support/sandbox.py (with
+    the module it imports) and the runner in a world-readable directory, and a python that
+    nobody can run."""
     nobody = _nobody()
     if nobody is None:
         pytest.skip("no user 'nobody' to run the non-root half as")
     lib = tempfile.mkdtemp(prefix="agentflow-sandbox-lib-")
     os.chmod(lib, 0o755)
-    for path in (ROOT / "sandbox.py", ROOT / "memory.py", Path(sandbox_runner.__file__)):
-        shutil.copy(path, lib)
-        os.chmod(os.path.join(lib, path.name), 0o644)
+    os.mkdir(os.path.join(lib, "support"), 0o755)
+    for path, to in ((ROOT / "support" / "__init__.py", "support"), (ROOT / "support" / "sandbox.py", "support"),
+                     (ROOT / "support" / "text.py", "support"), (Path(sandbox_runner.__file__), "")):
+        shutil.copy(path, os.path.join(lib, to))
+        os.chmod(os.path.join(lib, to, path.name), 0o644)
     try:
         for python in dict.fromkeys([sys.executable, "/usr/bin/python3", shutil.which("python3") or ""]):
             try:
@@ -487,7 +490,7 @@ if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
     print("SKIP", ctypes.get_errno()); sys.exit()
 open("/proc/sys/user/max_user_namespaces", "w").write("0")
 sys.path.insert(0, {str(ROOT)!r})
-import sandbox
+from support import sandbox
 try:
     sandbox.Sandbox()
 except sandbox.SandboxError as e:
@@ -533,11 +536,12 @@ def test_rlimits_mode_warns_every_build(capsys):
 
 
 def test_config_knows_the_new_keys():
-    from config import ConfigError, load_config
+    from support.config import ConfigError, load_config
     cfg = load_config(None, ["tools.python_isolation=rlimits", "tools.python_interpreter=/usr/bin/python3"])
+    tools.check_toolset(cfg)
     assert cfg["tools"]["python_isolation"] == "rlimits" and cfg["tools"]["python_interpreter"] == "/usr/bin/python3"
     with pytest.raises(ConfigError, match="python_isolation"):
-        load_config(None, ["tools.python_isolation=off"])
+        tools.check_toolset(load_config(None, ["tools.python_isolation=off"]))
 
 
 def test_a_configured_interpreter_brings_its_packages(tmp_path):

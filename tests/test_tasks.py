@@ -1,4 +1,4 @@
-"""Tests for the offline task suite (tasks.py and the shipped data/ files).
+"""Tests for the offline task suite (make_tasks.py and the shipped data/ files).
 
 They check what the default training run relies on: the files are exactly what
 the generator makes, every gold answer is right (checked independently of the
@@ -16,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import tasks  # noqa: E402
-from benchmarks import read_jsonl  # noqa: E402
+from scripts import make_tasks  # noqa: E402
+from support.datasets import read_jsonl  # noqa: E402
 
 DATA = ROOT / "data"
 FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl", "heldout_wordings.jsonl"]
@@ -70,14 +70,14 @@ def test_safe_eval_rejects_anything_but_arithmetic():
 # --- files and determinism ---------------------------------------------------
 
 def test_shipped_files_are_reproduced_byte_for_byte(tmp_path):
-    tasks.write(tmp_path, seed=0)
+    make_tasks.write(tmp_path, seed=0)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
 
 
 def test_generate_is_deterministic_and_seed_dependent():
-    assert tasks.generate(0) == tasks.generate(0)
-    assert tasks.generate(1)["train"] != tasks.generate(0)["train"]
+    assert make_tasks.generate(0) == make_tasks.generate(0)
+    assert make_tasks.generate(1)["train"] != make_tasks.generate(0)["train"]
 
 
 def test_row_format_and_counts(data):
@@ -119,22 +119,22 @@ def test_other_wordings_ask_the_held_out_questions_in_words_training_never_used(
     answer) about the same entity, or with the same numbers, in a wording that none of
     the templates train.jsonl was made from can produce."""
     heldout = {r["id"]: r for r in data["heldout"]}
-    train_templates = tasks.ARITH_TEMPLATES + tasks.TWO_STEP_TEMPLATES + [
-        ask for spec in tasks.ENTITY_TYPES.values() for asks in spec["ask"].values() for ask in asks]
+    train_templates = make_tasks.ARITH_TEMPLATES + make_tasks.TWO_STEP_TEMPLATES + [
+        ask for spec in make_tasks.ENTITY_TYPES.values() for asks in spec["ask"].values() for ask in asks]
     per_item = {}
     for r in data["heldout_wordings"]:
         stem, j = r["id"].rsplit("-w", 1)
         base = heldout[stem]
         per_item.setdefault(stem, []).append(int(j))
         assert (r["task"], r["answer"]) == (base["task"], base["answer"])
-        assert tasks._parse(train_templates, r["question"]) is None, r["question"]
+        assert make_tasks._parse(train_templates, r["question"]) is None, r["question"]
         assert entities_in(r["question"], passage_of) == entities_in(base["question"], passage_of)
         assert sorted(numbers_in(r["question"])) == sorted(numbers_in(base["question"])), r["question"]
     kinds = {t: [i for i, b in heldout.items() if b["task"] == t] for t in ("arithmetic", "lookup", "two_step")}
-    assert all(per_item[i] == list(range(len(tasks.OTHER_TWO_STEP_WORDINGS))) for i in kinds["two_step"])
+    assert all(per_item[i] == list(range(len(make_tasks.OTHER_TWO_STEP_WORDINGS))) for i in kinds["two_step"])
     assert all(per_item[i] == [0] for i in kinds["arithmetic"])
     # lookups: only those of the fact two_step multiplies, asked by that fact's phrase
-    phrases = [spec["quantity"][1] for spec in tasks.ENTITY_TYPES.values()]
+    phrases = [spec["quantity"][1] for spec in make_tasks.ENTITY_TYPES.values()]
     for r in data["heldout_wordings"]:
         if r["task"] == "lookup":
             name = entities_in(r["question"], passage_of)[0]

@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tools  # noqa: E402
-from memory import cut
+from support import web  # noqa: E402
+from support.text import cut
 from tools import BM25, build_tools, extract_code  # noqa: E402
 
 # ----------------------------------------------------------------------------- extract_code, cut
@@ -189,8 +190,8 @@ def waits(monkeypatch):
         seen.append(s)
         now[0] += s
 
-    monkeypatch.setattr(tools, "_sleep", sleep)
-    monkeypatch.setattr(tools, "_clock", lambda: now[0])
+    monkeypatch.setattr(web, "_sleep", sleep)
+    monkeypatch.setattr(web, "_clock", lambda: now[0])
     return seen
 
 
@@ -234,7 +235,7 @@ def test_wikipedia_search_and_extracts(server):
     (_, search, agent), (_, extracts, _) = server.seen
     assert search["srsearch"] == "Eiffel Tower" and search["srlimit"] == "2" and search["list"] == "search"
     assert extracts["titles"] == "Eiffel Tower|Gustave Eiffel" and extracts["exintro"] == "1"
-    assert extracts["explaintext"] == "1" and agent == tools.USER_AGENT and "(research bot)" in agent
+    assert extracts["explaintext"] == "1" and agent == web.USER_AGENT and "(research bot)" in agent
     assert search["maxlag"] == "5" and search["format"] == "json"  # MediaWiki's etiquette for bots
 
 
@@ -313,7 +314,7 @@ def test_web_search_ranks_the_relevant_chunk_first(server):
     tool = tools.WebSearch({"search_top_k": 2, "url_allow": ["127.0.0.1"]})
     r = tool.run(f"Read {server.url}/page. When was the Eiffel Tower completed?")
     assert r.ok and "completed in 1889 for the World's Fair" in r.output.splitlines()[0]
-    page_text = tools.html_to_text(PAGE)
+    page_text = web.html_to_text(PAGE)
     assert "zebra" not in r.output and "zebra" not in page_text and "rivers & roads" in page_text
     assert server.seen[0][0] == "/page"
 
@@ -343,7 +344,7 @@ def test_web_search_failures(server):
     ("93.184.216.34", ""), ("2606:2800:220:1:248:1893:25c8:1946", ""),
 ])
 def test_internal_addresses_are_refused(address, kind):
-    why = tools._refusal(address, [])
+    why = web._refusal(address, [])
     assert (kind in why) if kind else why == ""
 
 
@@ -407,10 +408,10 @@ def test_dns_rebinding_is_caught_at_connect(server, monkeypatch):
 
 
 def test_the_allow_list_is_a_config_key():
-    from config import load_config
+    from support.config import load_config
     cfg = load_config(None, ["tools.url_allow=[127.0.0.1, 10.0.0.0/8, intranet.example]"])
     assert cfg["tools"]["url_allow"] == ["127.0.0.1", "10.0.0.0/8", "intranet.example"]
-    assert tools._allow_list(cfg["tools"]["url_allow"])[0] == {"intranet.example"}
+    assert web._allow_list(cfg["tools"]["url_allow"])[0] == {"intranet.example"}
 
 
 def test_configured_api_endpoints_are_not_guarded(server):
@@ -474,11 +475,11 @@ def test_retry_limits_in_time(server, monkeypatch, waits):
 
 
 def test_retry_after_forms():
-    assert tools._retry_after("3") == 3.0 and tools._retry_after(" 0 ") == 0.0 and tools._retry_after(None) is None
-    assert tools._retry_after("soon") is None and tools._retry_after("-5") == 0.0
+    assert web._retry_after("3") == 3.0 and web._retry_after(" 0 ") == 0.0 and web._retry_after(None) is None
+    assert web._retry_after("soon") is None and web._retry_after("-5") == 0.0
     later = email.utils.formatdate(time.time() + 30, usegmt=True)  # an HTTP date
-    assert 25 <= tools._retry_after(later) <= 30
-    assert tools._retry_after(email.utils.formatdate(time.time() - 60, usegmt=True)) == 0.0
+    assert 25 <= web._retry_after(later) <= 30
+    assert web._retry_after(email.utils.formatdate(time.time() - 60, usegmt=True)) == 0.0
 
 
 def test_client_errors_are_not_retried(server, monkeypatch, waits):
@@ -519,7 +520,7 @@ def test_serper_request_and_reply(server, monkeypatch):
                                      "Eiffel Tower - Wikipedia: The Eiffel Tower is a wrought-iron lattice tower. "
                                      "(https://en.wikipedia.org/wiki/Eiffel_Tower)"]
     (path, body, agent), = server.seen
-    assert path == "/search" and body == {"q": "eiffel tower height", "num": 2} and agent == tools.USER_AGENT
+    assert path == "/search" and body == {"q": "eiffel tower height", "num": 2} and agent == web.USER_AGENT
     headers = {k.lower(): v for k, v in server.headers[0].items()}
     assert headers["x-api-key"] == "serper-s3cr3t" and headers["content-type"] == "application/json"
     server.routes["/search"] = lambda p: (200, "application/json", ORGANIC, 0)
@@ -616,8 +617,8 @@ def test_wikimedia_requests_are_serial_and_carry_the_contact(server):
     results = tools.run_tool_calls([(tool, f"query {i}") for i in range(8)])
     assert all(r.ok for r in results) and len(server.seen) == 16
     assert server.most_active == 1  # never two requests to Wikimedia at once
-    assert {agent for _, _, agent in server.seen} == {tools.user_agent("you@example.org")}
-    assert "(research bot; you@example.org) python-requests/" in tools.user_agent("you@example.org")
+    assert {agent for _, _, agent in server.seen} == {web.user_agent("you@example.org")}
+    assert "(research bot; you@example.org) python-requests/" in web.user_agent("you@example.org")
 
 
 def test_other_apis_are_asked_in_parallel(server, monkeypatch):
@@ -651,21 +652,21 @@ def test_the_contact_goes_to_wikimedia_pages_only(server, monkeypatch):
     assert tool.run(f"http://127.0.0.1:{port}/wiki/Hamlet what is it?").ok
     (_, _, to_wikimedia), (_, _, elsewhere) = server.seen
     assert "you@example.org" in to_wikimedia and "you@example.org" not in elsewhere
-    assert tools.is_wikimedia("en.wikipedia.org") and tools.is_wikimedia("commons.wikimedia.org.")
-    assert not tools.is_wikimedia("notwikipedia.org") and not tools.is_wikimedia("example.org")
+    assert web.is_wikimedia("en.wikipedia.org") and web.is_wikimedia("commons.wikimedia.org.")
+    assert not web.is_wikimedia("notwikipedia.org") and not web.is_wikimedia("example.org")
 
 
 # ----------------------------------------------------------------------------- Local_Search on an index
 
 def test_local_search_on_a_built_index_answers_as_the_corpus_does(corpus, tmp_path):
-    from retriever import build_index
+    from support.bm25 import build_index
     build_index(corpus, tmp_path / "index", progress=False)
     in_memory = tools.LocalSearch({"corpus": str(corpus), "search_top_k": 2})
     on_disk = tools.LocalSearch({"corpus": "/nonexistent", "corpus_index": str(tmp_path / "index"), "search_top_k": 2})
     for q in ("When was Velmora founded?", "bells", "mayor of Velmora", "quantum chromodynamics"):
         assert on_disk.run(q) == in_memory.run(q), q
     r = tools.LocalSearch({"corpus_index": str(tmp_path / "none")}).run("Velmora")
-    assert r.infra and "retriever.py build" in r.error
+    assert r.infra and "scripts.build_index" in r.error
 
 
 def test_backoff_is_capped_by_the_longest_wait(server, monkeypatch, waits):

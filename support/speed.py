@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from support.batching import common_prefix_len, left_padded
+from support.models import cache_home
+
 # ----------------------------------------------------------------------------------------
 # The cache
 
@@ -177,48 +180,8 @@ def _layer(cache: Cache, i: int) -> RoomyLayer:
     return cache.layers[i]
 
 
-def kv_shape(config) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of a decoder config, whatever the family calls them."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-
-def kv_bytes_per_token(config, itemsize: int) -> int:
-    """Bytes of the keys and values of one token in every layer: 2 x layers x kv heads x head dim x itemsize."""
-    layers, kv, D = kv_shape(config)
-    return 2 * layers * kv * D * itemsize
-
-
-# Bytes per vocabulary entry and row of one decode step: the logits in the model's dtype
-# and in float32, the log-softmax and its exp, the float64 running sum of the draw.
-DECODE_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8
-
-
 # ----------------------------------------------------------------------------------------
 # Prefill: shared text once, the rest in groups of similar length
-
-
-def left_padded(seqs: list[list[int]], L: int, pad_id: int, dev):
-    """ids [c, L] of the sequences left-padded to L, and their mask [c, L] (1 = a token)."""
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=dev)  # [c, L]
-    mask = torch.zeros((len(seqs), L), dtype=torch.long, device=dev)  # [c, L]
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, L - len(s):] = torch.tensor(s, device=dev)
-            mask[i, L - len(s):] = 1
-    return ids, mask
-
-
-def common_prefix_len(prompts: list[list[int]]) -> int:
-    """How many leading tokens every sequence shares."""
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for p in prompts[1:]:
-        k = 0
-        while k < n and p[k] == first[k]:
-            k += 1
-        n = k
-    return n
 
 
 def unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -536,44 +499,40 @@ def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> li
 DECODE_STEP_MODELS = ("llama", "qwen2")
 
 
-def choose_decode(model):
-    """The fastest way this machine decodes one token for `model`: decode_step (linears
-    as W @ x^T), decode_step_xw (linears as x @ W^T, nn.Linear's layout), or None (the
-    caller's plain decode, the model's own forward). A layout that wins on one CPU loses
-    on another, so it is measured: once per machine, torch version, thread count, device,
-    dtype and model shape, then remembered in the cache folder (engine.json), so every
-    later run on this machine takes the same path and stays repeatable. The
-    AGENTFLOW_DECODE environment variable (plain | wx | xw) overrides the measurement."""
+def choose_decode(model) -> str:
+    """The name of the fastest way this machine decodes one token for `model`: "forward"
+    (the model's own forward, agentflow.decode), "step" (decode_step, its linears as
+    nn.Linear computes them, x @ W^T) or "step_transposed" (decode_step with every linear
+    as W @ x^T). A layout that wins on one CPU loses on another, so it is measured: once
+    per machine, torch version, thread count, device, dtype and model shape, then
+    remembered in the cache folder (engine.json), so every later run on this machine
+    takes the same path and stays repeatable. The AGENTFLOW_DECODE environment variable
+    (forward | step | step_transposed) overrides the measurement."""
+    names = ("forward", *DECODE_STEPS)
+    forced = os.environ.get("AGENTFLOW_DECODE", "")
+    if forced and forced not in names:
+        raise ValueError(f"AGENTFLOW_DECODE must be one of {', '.join(names)}, not {forced!r}")
     covered = model.config.model_type in DECODE_STEP_MODELS and not getattr(model.config, "use_sliding_window", False)
     if not covered:
-        return None
-    ways = {"plain": None, "wx": decode_step, "xw": decode_step_xw}
-    forced = os.environ.get("AGENTFLOW_DECODE", "")
+        return "forward"
     if forced:
-        if forced not in ways:
-            raise ValueError(f"AGENTFLOW_DECODE must be one of {', '.join(ways)}, not {forced!r}")
-        return ways[forced]
+        return forced
     key = _machine_key(model)
-    if key not in _CHOICES:
+    if _CHOICES.get(key) not in names:
         _CHOICES.update(_read_choices())
-    if key not in _CHOICES:
-        _CHOICES[key] = _measure_decode(model, ways)
+    if _CHOICES.get(key) not in names:  # never measured here (or under an older name)
+        _CHOICES[key] = _measure_decode(model)
         _write_choices()
         print(f"decode step measured on this machine: {_CHOICES[key]} ({key}); "
               f"remembered in {_choices_path()}", flush=True)
-    return ways[_CHOICES[key]]
+    return _CHOICES[key]
 
 
 _CHOICES: dict[str, str] = {}  # machine key -> the decode way it measured fastest
 
 
-def decode_name(fn) -> str:
-    """The name (AGENTFLOW_DECODE's) of an engine's decode function: wx, xw or plain."""
-    return {decode_step: "wx", decode_step_xw: "xw"}.get(fn, "plain")
-
-
 def _choices_path() -> Path:
-    return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow")) / "engine.json"
+    return cache_home() / "engine.json"
 
 
 def cpu_name() -> str:
@@ -615,11 +574,11 @@ def _write_choices() -> None:
 
 
 @torch.no_grad()
-def _measure_decode(model, ways: dict, rows: int = 32, context: int = 8, rounds: int = 5) -> str:
+def _measure_decode(model, rows: int = 32, context: int = 8, rounds: int = 5) -> str:
     """Time one decode step of `rows` rows behind a short cache with each way, the ways
     interleaved round by round and each way's fastest round kept (a busy machine slows
-    single calls, never speeds them up); the fastest way wins, and a way within 3% of
-    the plain one loses to it."""
+    single calls, never speeds them up); the fastest way wins, and a step within 3% of
+    the model's own forward loses to it."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (rows, context + 1), generator=gen).to(dev)  # [b, c+1]
@@ -627,25 +586,26 @@ def _measure_decode(model, ways: dict, rows: int = 32, context: int = 8, rounds:
     model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
     tok, pos = ids[:, context], torch.full((rows, 1), context, device=dev)  # [b], [b, 1]
     mask = torch.ones((rows, context + 1), dtype=torch.long, device=dev)  # [b, c+1]
-    plain = lambda m, t, p, k, c: m(input_ids=t[:, None], attention_mask=k, position_ids=p, cache=c, use_cache=True)
+    forward = lambda m, t, p, k, c: m(input_ids=t[:, None], attention_mask=k, position_ids=p, cache=c, use_cache=True)
+    ways = {"forward": forward, **DECODE_STEPS}
     best = {name: float("inf") for name in ways}
     for r in range(rounds + 1):  # round 0 warms every way up
         for name, fn in ways.items():
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            (fn or plain)(model, tok, pos, mask, cache)
+            fn(model, tok, pos, mask, cache)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if r:
                 best[name] = min(best[name], time.perf_counter() - t0)
             cache.crop(-1)  # drop the new position: back to the prefix for the next timing
     fastest = min(best, key=best.get)
-    return fastest if best[fastest] < 0.97 * best["plain"] else "plain"
+    return fastest if best[fastest] < 0.97 * best["forward"] else "forward"
 
 
 def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache,
-                linear=None) -> torch.Tensor:
+                linear=lambda x, lin: lin(x)) -> torch.Tensor:
     """One new token per row through a Llama or Qwen2 decoder: logits [b, V].
 
     tok [b] the previous token of each row, pos [b, 1] its position, mask [b, S] the
@@ -654,17 +614,17 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     weights and modules (norms, rotary table, activation), minus what a general forward
     pays at every step: building a 4-D mask, dispatching attention, wrapping outputs.
     Two things can make it faster than the same arithmetic in the HF forward:
-      * by default (`linear` None) every linear layer is computed as W @ x^T, not
-        x @ W^T: the same product, but some CPUs' BLAS runs the [out, in] x [in, b]
-        shape much faster for a few dozen rows, and others much slower (bench.py,
-        `linear_only_*`); decode_step_xw keeps nn.Linear's layout; choose_decode picks;
+      * `linear` computes one linear layer: nn.Linear's x @ W^T by default, W @ x^T in
+        decode_step_transposed: the same product, but some CPUs' BLAS runs the [out, in]
+        x [in, b] shape much faster for a few dozen rows, and others much slower
+        (scripts/speed_bench.py, `linear_only_*`); choose_decode picks;
       * attention groups the query heads by their KV head ([b, kv, g, D] against
         [b, kv, S, D]), so grouped keys and values are read as they are in the cache,
         never repeated per query head.
     Same math as the HF forward, but not the same summation order: log-probs agree to
     ~1e-5 in fp32 (tests/test_sampler.py), greedy tokens are the same.
     """
-    mm = linear or _linear_wx  # one linear layer: [b, in] -> [b, out]
+    mm = linear  # one linear layer: [b, in] -> [b, out]
     dec = model.model
     b = tok.shape[0]
     x = dec.embed_tokens(tok)  # [b, h]
@@ -690,15 +650,19 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     return mm(dec.norm(x), model.lm_head)  # [b, V]
 
 
-def decode_step_xw(model, tok, pos, mask, cache) -> torch.Tensor:
-    """decode_step with every linear as nn.Linear computes it, x @ W^T."""
-    return decode_step(model, tok, pos, mask, cache, linear=lambda x, lin: lin(x))
+def decode_step_transposed(model, tok, pos, mask, cache) -> torch.Tensor:
+    """decode_step with every linear computed as W @ x^T (linear_transposed)."""
+    return decode_step(model, tok, pos, mask, cache, linear=linear_transposed)
 
 
-def _linear_wx(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+def linear_transposed(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
     """lin(x) for x [b, in] -> [b, out], computed as (W [out, in] @ x^T [in, b])^T."""
     y = torch.mm(lin.weight, x.t()).t()  # [b, out], a transposed view
     return (y + lin.bias if lin.bias is not None else y).contiguous()
+
+
+# The written-out decode steps by name (choose_decode, AGENTFLOW_DECODE, run.json's "decode").
+DECODE_STEPS = {"step": decode_step, "step_transposed": decode_step_transposed}
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

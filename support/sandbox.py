@@ -57,7 +57,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from memory import cut
+from support.text import cut
 
 ISOLATIONS = ("namespaces", "rlimits")
 INSIDE_ID = 1000  # the program's uid and gid inside its user namespace: not 0, so it holds no capabilities

@@ -17,7 +17,7 @@ embeddings) from a config with random weights (the GPU machine has no internet),
      exactly on the first step of flow_grpo.policy_update;
   3. speed: sampler vs model.generate, tokens per second, greedy, the same prompts;
   4. memory: the peak of torch.cuda.max_memory_allocated during a rollout-sized sampler
-     call and during an update, against what memory_plan.py predicts for them.
+     call and during an update, against what device_memory.py predicts for them.
 
 Prints one `name: value` line per figure; exits 1 if a check fails.
 """
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-import memory_plan
-import optim
+from support import device_memory
+from support import optim
 from agentflow import LLM, PlannerTurn, SamplingParams, Trajectory
 from flow_grpo import LossConfig, accumulate_gradients, build_rows, policy_update, reference_objective
 from memory import Memory
@@ -250,17 +250,17 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     opt, masters = optim.make_optimizer(trained, 1e-6)
     prompts = make_prompts(z, z["rows"], seed=4)
     budget = mem.total()
-    shape = memory_plan.model_shape(model.config, train_layers, name="gpu_check model")
-    plan = memory_plan.make_plan(shape, dtype="bfloat16", device="cuda", budget=budget,
+    shape = device_memory.model_shape(model.config, train_layers, name="gpu_check model")
+    plan = device_memory.make_plan(shape, dtype="bfloat16", device="cuda", budget=budget,
                                  max_prompt=max(map(len, prompts)), max_new=z["new"], planner_new=z["new"],
                                  rollout_rows=z["rows"], eval_rows=z["rows"], micro_batch=z["micro_batch"],
                                  prefill_tokens=8192, logits_chunk=1024)
     for line in plan.text().splitlines():
         r.figure("plan", line.strip())
     llm = LLM(model, IdTokenizer(z["vocab"]))
-    llm.wave_bytes, llm.prefill_tokens = plan.wave_bytes, plan.prefill_tokens
-    GB = memory_plan.GB
-    resident_planned = plan.resident - memory_plan.reserve_bytes(budget, "cuda")
+    llm.sub_batch_bytes, llm.prefill_tokens = plan.sub_batch_bytes, plan.prefill_tokens
+    GB = device_memory.GB
+    resident_planned = plan.resident - device_memory.reserve_bytes(budget, "cuda")
     # An update first, so that AdamW's moments exist (they are resident), then measure each phase.
     trajs = [Trajectory("q", Memory(100, 10)) for _ in prompts]
     samples = llm.sample(prompts, SamplingParams(1.0, z["new"]), seed=5)
@@ -276,11 +276,11 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     r.figure("memory_resident_gb", resident / GB)
     r.figure("memory_resident_planned_gb", resident_planned / GB)
     mem.reset()
-    waves = llm.waves_run
+    before = llm.sub_batches_run
     llm.sample(prompts, SamplingParams(1.0, z["new"]), seed=6)
     mem.sync()
     peak = mem.peak()
-    r.figure("memory_sampler_waves", llm.waves_run - waves)
+    r.figure("memory_sampler_sub_batches", llm.sub_batches_run - before)
     r.figure("memory_sampler_peak_gb", peak / GB)
     r.figure("memory_sampler_peak_planned_gb", (resident_planned + plan.sampler) / GB)
     r.check("memory_sampler_within_plan", peak <= resident_planned + plan.sampler, (peak - resident) / GB)

@@ -7,8 +7,8 @@ Not in the paper (its runs use 8 GPUs); what one GPU needs for its setup: Qwen2.
 and refuses, before any weight is loaded, a plan that cannot fit `model.memory_gb`,
 naming the knob to turn. The plan also sets what keeps the run inside it:
 
-  * the sampler runs its rows in waves, each wave's KV cache and decode logits within
-    `Plan.wave_bytes` (agentflow.LLM.sample), its prefill forwards within
+  * the sampler runs its rows in sub-batches, each sub-batch's KV cache and decode logits within
+    `Plan.sub_batch_bytes` (agentflow.LLM.sample), its prefill forwards within
     `model.prefill_tokens` tokens;
   * an update's micro-batch holds at most `Plan.update_tokens` tokens (rows x longest
     sequence, flow_grpo.micro_batches).
@@ -18,7 +18,7 @@ What is resident all run long, and what comes and goes:
     resident = weights (one copy: the reference shares the frozen ones) + the reference's
                copies of the trained weights + fp32 masters, AdamW moments and fp32
                gradients of the trained weights + a reserve (CUDA context, allocator slack)
-    peak     = resident + max(sampler wave, update), never both: gradients are freed
+    peak     = resident + max(sampler sub-batch, update), never both: gradients are freed
                right after each optimizer step, the cache after each sampler call
 
 The activation figures are upper bounds written from the modules' forward (which tensors
@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from support import speed
+
 GB = 1e9  # model.memory_gb counts in GB of 10^9 bytes, as GPU memory is sold
+# Bytes per vocabulary entry and row of one decode step: the logits in the model's dtype
+# and in float32, the log-softmax and its exp, the float64 running sum of the draw.
+DECODE_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8
 
 
 @dataclass
@@ -61,7 +66,7 @@ def model_shape(config, train_layers: int, name: str = "") -> Shape:
     transformers knows is counted exactly."""
     from transformers import AutoModelForCausalLM
 
-    from optim import select_trainable
+    from support.optim import select_trainable
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -87,12 +92,12 @@ class Plan:
     budget: float | None  # bytes the run may use; None = no limit
     items: list[tuple[str, float, str]] = field(default_factory=list)  # (what, bytes, the knob / a note)
     resident: float = 0.0
-    sampler: float = 0.0  # one wave, at the provisioned lengths
+    sampler: float = 0.0  # one sub-batch, at the provisioned lengths
     update: float = 0.0
-    wave_bytes: int | None = None  # agentflow.LLM.wave_bytes: a wave's cache + decode logits
+    sub_batch_bytes: int | None = None  # agentflow.LLM.sub_batch_bytes: a sub-batch's cache + decode logits
     prefill_tokens: int | None = None  # agentflow.LLM.prefill_tokens
     update_tokens: int = 0  # flow_grpo.micro_batches' max_tokens (0 = no cap)
-    rows_per_wave: int = 0
+    rows_per_sub_batch: int = 0
     problems: list[str] = field(default_factory=list)  # why it cannot fit, each naming a knob
 
     @property
@@ -106,7 +111,7 @@ class Plan:
     def text(self) -> str:
         limit = "no limit" if self.budget is None else f"budget {self.budget / GB:.1f} GB (model.memory_gb)"
         out = [f"memory plan: {self.shape.name} in {self.dtype} on {self.device}, {limit}"]
-        rows = self.items + [("peak while sampling: resident + one wave", self.resident + self.sampler, ""),
+        rows = self.items + [("peak while sampling: resident + one sub-batch", self.resident + self.sampler, ""),
                              ("peak while updating: resident + the update", self.resident + self.update, "")]
         for what, nbytes, note in rows:
             out.append(f"  {what:70s} {nbytes / GB:7.2f} GB" + (f"   {note}" if note else ""))
@@ -171,7 +176,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     plan.resident = weights + ref_copies + opt + reserve
     add(("= resident", plan.resident, ""))
 
-    # The sampler: one wave's cache at its final size, plus what its prefill or its
+    # The sampler: one sub-batch's cache at its final size, plus what its prefill or its
     # decode step needs on top (never both at once).
     row_kv = (max_prompt + max_new) * shape.kv_bytes_per_token(s)
     row_decode = shape.vocab * DECODE_BYTES_PER_LOGIT
@@ -184,16 +189,17 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
                          + 2 * shape.kv_bytes_per_token(s))
     if budget is not None:
         free = budget - plan.resident - prefill
-        plan.rows_per_wave = max(0, int(free // (row_kv + row_decode)))
-        plan.wave_bytes = int(max(free, 0))
+        plan.rows_per_sub_batch = max(0, int(free // (row_kv + row_decode)))
+        plan.sub_batch_bytes = int(max(free, 0))
         plan.prefill_tokens = cap
-    rows = min(plan.rows_per_wave, rollout_rows) if budget is not None else rollout_rows
-    waves = -(-rollout_rows // rows) if rows else 0
-    eval_waves = -(-eval_rows // rows) if rows else 0
+    rows = min(plan.rows_per_sub_batch, rollout_rows) if budget is not None else rollout_rows
+    rollout_sub_batches = -(-rollout_rows // rows) if rows else 0
+    eval_sub_batches = -(-eval_rows // rows) if rows else 0
     kv = rows * row_kv
-    add((f"sampler, one wave: KV cache of {rows} rows x ({max_prompt} + {max_new}) tokens", kv,
-         f"rows per wave; {rollout_rows} rollouts in {waves} wave(s), eval.batch_size {eval_rows} in {eval_waves}"
-         if budget is not None else f"{rollout_rows} rollouts in one wave"))
+    add((f"sampler, one sub-batch: KV cache of {rows} rows x ({max_prompt} + {max_new}) tokens", kv,
+         f"rows per sub-batch; {rollout_rows} rollouts in {rollout_sub_batches} sub-batch(es), "
+         f"eval.batch_size {eval_rows} in {eval_sub_batches}"
+         if budget is not None else f"{rollout_rows} rollouts in one sub-batch"))
     if cap:
         add((f"  or: a prefill forward of at most {cap} tokens", prefill, "model.prefill_tokens"))
     add((f"  or: decode logits of {rows} rows (fp32 softmax, fp64 running sum)", rows * row_decode, ""))
@@ -228,22 +234,53 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
         elif plan.resident + plan.update > budget:
             plan.problems.append(f"the update needs {plan.update / GB:.1f} GB beside {plan.resident / GB:.1f} GB "
                                  f"resident: {knobs_update}, or train.logits_chunk")
-        if plan.resident <= budget and plan.rows_per_wave < 1:
+        if plan.resident <= budget and plan.rows_per_sub_batch < 1:
             plan.problems.append(f"not one sampler row of {max_prompt} + {max_new} tokens fits beside the resident "
                                  f"memory: lower model.max_prompt_tokens or the modules' max_new_tokens "
                                  f"(agent.*.max_new_tokens), or model.prefill_tokens ({cap})")
     return plan
 
 
-# Bytes per vocabulary entry and row of one decode step: the logits in the model's dtype
-# and in float32, log-softmax, its exp, the float64 running sum of the draw.
-DECODE_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """Bytes of the keys and values of one token in every layer of a decoder config:
+    2 x layers x kv heads x head dim x itemsize (Shape.kv_bytes_per_token, without a Shape)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * (getattr(config, "head_dim", None) or config.hidden_size // heads) * itemsize
+
+
+def sampler_sub_batches(prompts: list[list[int]], max_new: int, budget: int | None, model) -> list[range]:
+    """The sampler's rows in consecutive runs whose KV cache (laid out as the fast prefill
+    lays them out, at its final size: an upper bound on the plain prefill's) and decode
+    logits fit `budget` bytes (Plan.sub_batch_bytes); at least one row each, all rows at
+    once without a budget. Consecutive: the G rollouts of a query stay together and share
+    their text."""
+    n = len(prompts)
+    if budget is None:
+        return [range(n)]
+    per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    per_row = model.config.vocab_size * DECODE_BYTES_PER_LOGIT
+
+    def cost(rows: range) -> int:  # the sub-batch's cache and decode logits, in bytes
+        unique = speed.unique_prompts([prompts[i] for i in rows])[0]
+        width = speed.layout(unique, [len(p) - 1 for p in unique]).width
+        return len(rows) * ((width + max_new) * per_token + per_row)
+
+    out, start = [], 0
+    while start < n:
+        longest = max(len(p) for p in prompts[start:])  # the width is at least this
+        k = max(1, min(n - start, budget // ((longest + max_new) * per_token + per_row)))
+        while k > 1 and cost(range(start, start + k)) > budget:
+            k = max(1, min(k - 1, k * budget // cost(range(start, start + k))))
+        out.append(range(start, start + k))
+        start += k
+    return out
 
 
 def device_budget(cfg: dict) -> tuple[str, float | None]:
     """(device, budget in bytes or None): model.memory_gb if set; else on CUDA the
     device's total memory, on a CPU no limit."""
-    from agentflow import pick_device
+    from support.models import pick_device
 
     device = cfg["model"]["device"]
     resolved = pick_device(device)
@@ -263,7 +300,7 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
     if config is None:
         from transformers import AutoConfig
 
-        from agentflow import resolve_model
+        from support.models import resolve_model
 
         config = AutoConfig.from_pretrained(resolve_model(cfg["model"]["name"]))
     t, a, e = cfg["train"], cfg["agent"], cfg["eval"]

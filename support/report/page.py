@@ -45,18 +45,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks import read_jsonl
-from charts import (SMOOTH_FROM, esc, figure, line_chart, num, pct, shift_chart, smooth_window,
+from support.datasets import read_jsonl
+from support.report.charts import (SMOOTH_FROM, esc, figure, line_chart, num, pct, shift_chart, smooth_window,
                     stacked_bar_chart)
-from memory import cut, plan_of
-from tools import TOOL_CLASSES
+from support.text import cut, plan_of
 
 MAX_EMBED_STEPS = 40  # trajectory steps embedded in the browser (evenly spaced, first and last kept)
 MAX_EMBED_CHARS = 8_000_000  # and at most this much embedded JSON: fewer steps if needed
 CAP = {"query": 600, "answer": 400, "sub_goal": 300, "command": 500, "result": 600, "error": 300,
        "planner": 500, "gold": 200}  # characters kept per embedded text field
 TOOL_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#7f7f7f", "#000000"]
-KNOWN_TOOLS = list(TOOL_CLASSES)  # tools.py's tools, in its order: each keeps its colour in every report
 OKABE = {"blue": "#0072B2", "orange": "#E69F00", "green": "#009E73", "pink": "#CC79A7",
          "sky": "#56B4E9", "red": "#D55E00", "grey": "#7f7f7f"}
 RUN_COLORS = list(OKABE.values())  # one per run on a comparison page, in the order given
@@ -215,8 +213,8 @@ def note(text: str, cls: str = "note") -> str:
 
 
 def tool_colors(run: dict) -> dict[str, str]:
-    """One colour per tool, the same in every chart and every run's report. Listed in the
-    configured order (then any other tool seen), coloured by tools.py's order."""
+    """One colour per tool, the same in every chart of a report: by the configured order
+    (agent.tools), then any other tool seen, by name; runs with the same toolset share them."""
     names = [str(t) for t in cfg_get(run["config"], "agent.tools", []) or []]
     seen = set()
     for m in run["metrics"]:
@@ -227,9 +225,7 @@ def tool_colors(run: dict) -> dict[str, str]:
         for k in (s.get("by_kind") or {}).values():
             seen |= set((k.get("tool_shares") or {}).keys())
     names += sorted(str(t) for t in seen if str(t) not in names)
-    others = [t for t in names if t not in KNOWN_TOOLS]
-    return {t: TOOL_COLORS[(KNOWN_TOOLS.index(t) if t in KNOWN_TOOLS else len(KNOWN_TOOLS) + others.index(t))
-                           % len(TOOL_COLORS)] for t in names}
+    return {t: TOOL_COLORS[i % len(TOOL_COLORS)] for i, t in enumerate(names)}
 
 
 def kind_colors(kinds) -> dict[str, str]:
@@ -1278,7 +1274,7 @@ def provenance(cfg: dict) -> dict:
     import torch
     import transformers
 
-    import speedups
+    from support import speed
 
     def git(*args):
         try:
@@ -1294,7 +1290,7 @@ def provenance(cfg: dict) -> dict:
     gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
     return {"seed": cfg_get(cfg, "seed"), "git_commit": commit, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": speedups.cpu_name(),
+            "cpu": speed.cpu_name(),
             # The SIMD level torch dispatches its CPU kernels to (AVX2, AVX512, ...): two
             # machines with the same CPU name can still sum floats in another order.
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),

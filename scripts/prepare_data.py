@@ -64,10 +64,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import read_jsonl
-from judge import parse_number
-from memory import cut
-from tasks import dump_jsonl
+from support.datasets import read_jsonl
+from support.answers import parse_number
+from support.text import cut
+from scripts.make_tasks import dump_jsonl
 
 MIX_SEED = 42  # the official shuffle
 GPQA_SUBSETS = ("diamond", "main", "extended")

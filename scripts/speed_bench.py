@@ -15,10 +15,10 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
      >= 150 tokens/s at b64. Then the sampler once more with one of its parts swapped
      for the generic one, to show what each part saves: the model's own forward for
-     each new token instead of the decode way speedups.choose_decode measured fastest
+     each new token instead of the decode way speed.choose_decode measured fastest
      on this machine (b32); the whole plain path of agentflow.py (b32); the prompts
      prefilled as one left-padded batch instead of in groups of similar length (b32,
-     prefill only); torch.multinomial instead of the inverse-CDF speedups.draw (b64);
+     prefill only); torch.multinomial instead of the inverse-CDF speed.draw (b64);
      every row running its whole prompt instead of families sharing their system
      prompt (b64); each new position concatenated onto the cache, as Hugging Face's
      DynamicLayer does, instead of written in place (b64). Each swap is timed in
@@ -52,10 +52,11 @@ import torch
 from transformers.cache_utils import Cache
 
 import agentflow
-import speedups
-from agentflow import LLM, PLANNER_SYSTEM, SamplingParams, load_model
-from benchmarks import read_jsonl
-from config import load_config
+from support import speed
+from agentflow import LLM, PLANNER_SYSTEM, SamplingParams
+from support.models import load_model
+from support.datasets import read_jsonl
+from support.config import load_config
 from eval import build_agent
 from tools import TOOL_CLASSES, build_tools
 
@@ -78,7 +79,7 @@ SYSTEMS = [
 
 
 def header(args) -> None:
-    print(f"# cpu {speedups.cpu_name()}")
+    print(f"# cpu {speed.cpu_name()}")
     print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"device {args.device}, dtype {args.dtype}")
     print(f"# load average (1, 5, 15 min) at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
@@ -126,9 +127,9 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW)
     prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)])
                for i in range(max(BATCHES))]
-    fams = speedups.shared_families(prompts, [len(p) - 1 for p in prompts], 0)
+    fams = speed.shared_families(prompts, [len(p) - 1 for p in prompts], 0)
     print(f"# throughput prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"shared prefix {speedups.common_prefix_len(prompts)} tokens (< {speedups.MIN_SHARED}: not "
+          f"shared prefix {speed.common_prefix_len(prompts)} tokens (< {speed.MIN_SHARED}: not "
           f"reused); at b64 {len(fams)} families (one per system prompt) share {[q for _, q in fams]} tokens")
     # Warm up each path once (allocator, kernels, lazy init) on a small batch.
     no_eos.sample(prompts[:4], replace_new(params, 8))
@@ -149,35 +150,36 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     # timed in turns with the sampler as shipped (versus), so a slow spell of the
     # machine hits both sides of a ratio.
     B = 32
-    print(f"# decode way chosen for this machine: {getattr(no_eos.decode, '__name__', no_eos.decode)}")
+    print(f"# decode way chosen for this machine: {no_eos.decode_name}")
     run_b32 = lambda: no_eos.sample(prompts[:B], params, seed=B)
     # The model's own forward for each new token (the plain decode) instead of the way
-    # speedups.choose_decode measured fastest here. b32.
+    # speed.choose_decode measured fastest here. b32.
     swapped(device, "decode_step", "sampler_hf_forward", B, run_b32,
             lambda: patch.object(no_eos, "decode", agentflow.decode))
     # The whole plain path of agentflow.py (LLM(fast=False): common prefix once, one padded
     # batch, the model's own forward, torch.multinomial) against the default fast path.
     swapped(device, "fast_path", "sampler_plain_path", B, run_b32,
-            lambda: patch.multiple(no_eos, fast=False, decode=agentflow.decode))
-    # Prefill in groups of similar length (speedups.length_groups) vs one left-padded
+            lambda: patch.multiple(no_eos, prefill=agentflow.prefill, draw=agentflow.multinomial,
+                                   decode=agentflow.decode))
+    # Prefill in groups of similar length (speed.length_groups) vs one left-padded
     # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
     t_groups, t_one = versus(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)),
-                             lambda: patch.object(speedups, "length_groups", lambda lengths: [list(range(len(lengths)))]))
+                             lambda: patch.object(speed, "length_groups", lambda lengths: [list(range(len(lengths)))]))
     show("prefill_one_batch_s_b32", t_one)
     show("prefill_groups_speedup_b32", t_one / t_groups)
     B = max(BATCHES)
     run_b64 = lambda: no_eos.sample(prompts[:B], params, seed=B)
     # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
-    # inverse-CDF speedups.draw (one uniform per row). b64.
-    swapped(device, "draw", "sampler_multinomial", B, run_b64, lambda: patch.object(
-        speedups, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0]))
-    # Each row runs its whole prompt: no families (speedups.shared_families). b64.
+    # inverse-CDF speed.draw (one uniform per row). b64.
+    swapped(device, "draw", "sampler_multinomial", B, run_b64,
+            lambda: patch.object(no_eos, "draw", agentflow.multinomial))
+    # Each row runs its whole prompt: no families (speed.shared_families). b64.
     swapped(device, "families", "sampler_no_families", B, run_b64,
-            lambda: patch.object(speedups, "shared_families", lambda seqs, shareable, P: []))
-    # The sampler's cache grows in place (speedups.RoomyLayer); Hugging Face's DynamicLayer
+            lambda: patch.object(speed, "shared_families", lambda seqs, shareable, P: []))
+    # The sampler's cache grows in place (speed.RoomyLayer); Hugging Face's DynamicLayer
     # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
     swapped(device, "kv_cache_in_place", "sampler_concat_cache", B, run_b64,
-            lambda: patch.object(speedups, "roomy_cache", concat_cache))
+            lambda: patch.object(speed, "roomy_cache", concat_cache))
     return out
 
 
@@ -199,7 +201,7 @@ def swapped(device: str, part: str, generic: str, B: int, fn, swap) -> None:
     show(f"{part}_speedup_b{B}", t_generic / t_ours)
 
 
-class ConcatLayer(speedups.RoomyLayer):
+class ConcatLayer(speed.RoomyLayer):
     """The in-place cache's prefill, then each new position appended the way Hugging
     Face's DynamicLayer appends it: torch.cat of the whole cache and the new keys."""
 
@@ -214,7 +216,7 @@ class ConcatLayer(speedups.RoomyLayer):
 
 
 def concat_cache(capacity: int = 0, rows: int = 0) -> Cache:
-    """speedups.roomy_cache's stand-in with ConcatLayer layers (the planned room unused)."""
+    """speed.roomy_cache's stand-in with ConcatLayer layers (the planned room unused)."""
     return Cache(layer_class_to_replicate=ConcatLayer)
 
 
@@ -228,14 +230,14 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
     system = PLANNER_SYSTEM.format(cards=cards)  # the planner's instructions, all six tool cards
     prompts = [llm.chat_ids(system, f"Question: {q}\nWhat is the next step?", "Tool:")
                for q in questions[:32]]
-    shared = speedups.common_prefix_len(prompts)
+    shared = speed.common_prefix_len(prompts)
     print(f"# prefix prompts: 32 x {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{shared} shared")
     one = SamplingParams(1.0, max_new_tokens=1)  # prefill + the first token, no decode step
 
     def unshared(ps):  # the sampler with its shared-text paths (prefix, families) switched off
-        with patch.object(speedups, "common_prefix_len", lambda prompts: 0), \
-                patch.object(speedups, "shared_families", lambda seqs, shareable, P: []):
+        with patch.object(speed, "common_prefix_len", lambda prompts: 0), \
+                patch.object(speed, "shared_families", lambda seqs, shareable, P: []):
             llm.sample(ps, one)
 
     llm.sample(prompts[:4], one)  # warm up both paths
@@ -294,13 +296,13 @@ def roofline(llm: LLM, args, sampler_b64: float) -> None:
 
 def linear_only(llm: LLM, args, tp: dict) -> None:
     """Part 4b: one decode step's linear layers alone, at B = 32 and 64 rows, computed as
-    speedups.decode_step does (W @ x^T) and as nn.Linear does (x @ W^T)."""
+    speed.decode_step does (W @ x^T) and as nn.Linear does (x @ W^T)."""
     linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
     for B in (32, 64):
         xs = {k: torch.randn(B, k, device=args.device, dtype=linears[0].weight.dtype)
               for k in {m.in_features for m in linears}}  # [B, in] per input width
         with torch.no_grad():
-            for name, fn in (("", speedups._linear_wx), ("_hf_layout", lambda x, m: m(x))):
+            for name, fn in (("", speed.linear_transposed), ("_hf_layout", lambda x, m: m(x))):
                 def step():  # every linear of one decode step: 30 x (q, k, v, o, gate, up, down) + lm_head
                     for m in linears:
                         fn(xs[m.in_features], m)  # [B, in] -> [B, out]

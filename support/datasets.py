@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from judge import KINDS, game24_number_sets, gold_aliases, parse_number, strip_option_labels
+from support.answers import KINDS, game24_number_sets, gold_aliases, parse_number, strip_option_labels
 
 # Field names, in order of preference. "query" comes before "question" because
 # in the official files "query" is the text that was shown to the model (medqa's

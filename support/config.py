@@ -2,23 +2,21 @@
 
 `load_config(path, overrides)` reads a YAML file, applies dotted `key=value` overrides
 (`train.lr=1e-5`, `out_dir=runs/x`), and checks the result against DEFAULTS: an unknown
-key, a value of the wrong type, an unknown tool or an impossible combination fails at
-once with the key's name and what is allowed. Every key the code reads is listed here,
-once. `preflight(cfg)` then checks what lies outside the file - data paths, the model
-name, API keys in the environment, the contact address Wikimedia asks for - so that train.py and eval.py fail in one line
-before any model is loaded (minutes at 7B), not with a traceback after.
+key, a value of the wrong type or an impossible combination fails at once with the key's
+name and what is allowed. Every key the code reads is listed here, once, except the
+tools' own settings, which tools.py lists and checks (tools.check_toolset) with the
+names in agent.tools. `preflight(cfg)` then checks what lies outside the file - data
+paths, the model name, the judge's endpoint and key - so that train.py and eval.py fail
+in one line before any model is loaded (minutes at 7B), not with a traceback after.
 """
 
 import copy
-import difflib
 import os
 import re
 from pathlib import Path
-from urllib.parse import urlparse
 
 import yaml
 
-from tools import DEFAULT_TOOL_CFG, TOOL_CLASSES, is_wikimedia
 
 DEFAULTS = {
     "seed": 0,  # one seed drives data order, sampling and initialisation
@@ -31,7 +29,7 @@ DEFAULTS = {
         "threads": 0,  # torch CPU threads; 0 = leave torch's default
         # The memory plan (memory_plan.py, printed at start; `python train.py CONFIG --plan`).
         "memory_gb": 0.0,  # memory the run may use, GB of 1e9 bytes; 0 = the device's total on CUDA, no limit on CPU
-        "max_prompt_tokens": 2048,  # the longest prompt the plan provisions for (longer ones run in smaller waves)
+        "max_prompt_tokens": 2048,  # the longest prompt the plan provisions for (longer ones run in smaller sub-batches)
         "prefill_tokens": 8192,  # under a memory limit: tokens one prefill forward may hold (rows x cached + new)
     },
     "agent": {
@@ -55,7 +53,9 @@ DEFAULTS = {
         "verifier": {"temperature": 0.0, "max_new_tokens": 1, "stop": []},  # a forced STOP / CONTINUE token
         "generator": {"temperature": 0.0, "max_new_tokens": 32, "stop": ["\n"]},
     },
-    "tools": dict(DEFAULT_TOOL_CFG),  # passed to tools.build_tools; tools.py comments each key
+    # The tools' own settings: tools.py lists and comments them (DEFAULT_TOOL_CFG) and checks
+    # them (check_toolset), as it does agent.tools.
+    "tools": {},
     "data": {
         "train": "data/train.jsonl",  # JSONL rows: question, answer, kind (judge), task (optional)
         "heldout": "data/heldout.jsonl",
@@ -107,8 +107,6 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage_mode": ("trajectory", "turn_rows"),
     "train.kl_estimator": ("k3", "k2"),
-    "tools.python_isolation": ("namespaces", "rlimits"),
-    "tools.google_provider": TOOL_CLASSES["Google_Search"].PROVIDERS,
 }
 
 
@@ -133,7 +131,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
         loaded = yaml.safe_load(p.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
-        _merge(cfg, loaded, DEFAULTS, "")
+        merge(cfg, loaded, DEFAULTS)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=2")
@@ -143,12 +141,19 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
         for part in parts[:-1]:
             leaf = leaf.setdefault(part, {})
         leaf[parts[-1]] = yaml.safe_load(value)
-        _merge(cfg, node, DEFAULTS, "")
+        merge(cfg, node, DEFAULTS)
     _check_combinations(cfg)
     return cfg
 
 
-def _merge(cfg: dict, new: dict, ref: dict, prefix: str) -> None:
+# Sections whose keys another file owns and checks: their values are taken as given here.
+OPEN_SECTIONS = {"tools": "tools.check_toolset"}
+
+
+def merge(cfg: dict, new: dict, ref: dict, prefix: str = "", choices: dict = CHOICES) -> None:
+    """Write `new` into `cfg`, key by key, each checked against its default in `ref` (its
+    type) and `choices` (its allowed values): an unknown key or a wrong value is a
+    ConfigError that names the key and what is allowed."""
     for key, value in new.items():
         name = prefix + str(key)
         if name in REMOVED:
@@ -159,12 +164,15 @@ def _merge(cfg: dict, new: dict, ref: dict, prefix: str) -> None:
         if isinstance(want, dict):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{name}' must be a mapping with keys {', '.join(sorted(want))}")
-            _merge(cfg[key], value, want, name + ".")
+            if name in OPEN_SECTIONS:
+                cfg[key].update(value)
+            else:
+                merge(cfg[key], value, want, name + ".", choices)
             continue
-        cfg[key] = _coerce(name, value, want)
+        cfg[key] = _coerce(name, value, want, choices)
 
 
-def _coerce(name: str, value, want):
+def _coerce(name: str, value, want, choices: dict):
     kind = type(want)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -178,8 +186,8 @@ def _coerce(name: str, value, want):
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"config key '{name}' must be a {kind.__name__} (default {want!r}), "
                           f"got {type(value).__name__} {value!r}")
-    if name in CHOICES and value not in CHOICES[name]:
-        raise ConfigError(f"config key '{name}' must be one of {', '.join(CHOICES[name])}, got {value!r}")
+    if name in choices and value not in choices[name]:
+        raise ConfigError(f"config key '{name}' must be one of {', '.join(choices[name])}, got {value!r}")
     return value
 
 
@@ -207,11 +215,6 @@ def _check_combinations(cfg: dict) -> None:
         raise ConfigError("agent.max_turns and eval.max_turns must be >= 1")
     if not a["tools"]:
         raise ConfigError("agent.tools must name at least one tool")
-    for name in a["tools"]:
-        if name not in TOOL_CLASSES:
-            near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
-            hint = f"did you mean {near[0]}? " if near else ""
-            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}")
     if any(n.strip() not in a["tools"] for n in a["force_tool"].split(",") if a["force_tool"]):
         raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, naming a tool that is not in agent.tools "
                           f"({', '.join(a['tools'])}); name one of those or leave it empty")
@@ -230,7 +233,7 @@ def check_model_name(key: str, name: str) -> None:
     """A model name must be the offline default, an existing model folder, or a
     plausible hub id (owner/name). A path that does not exist fails here, not after a
     traceback of the hub's repo-id rules."""
-    from agentflow import DEFAULT_MODEL  # here: agentflow pulls in torch, and config must load without it
+    from support.models import DEFAULT_MODEL  # here: models pulls in torch, and config must load without it
 
     if name == DEFAULT_MODEL:
         return
@@ -255,39 +258,20 @@ def _env_missing(names) -> list[str]:
 
 
 def preflight(cfg: dict, data: bool = True, model_paths: tuple[str, ...] = ()) -> None:
-    """Fail in one line, with the fix, on a missing data or corpus file, a model name that
-    is neither a folder nor a hub id, an API key a configured tool or judge needs but
-    the environment lacks, or Wikipedia_Search without a contact address. data=False skips data.* (eval.py reads --benchmark instead);
-    model_paths are further models to check (eval.py --model)."""
+    """Fail in one line, with the fix, on a missing data file, a model name that is neither
+    a folder nor a hub id, or a judge endpoint without its model or key. data=False skips
+    data.* (eval.py reads --benchmark instead); model_paths are further models to check
+    (eval.py --model). What the tools need is tools.check_toolset's."""
     if data:
         for split in ("train", "heldout"):
             path = cfg["data"][split]
             if not Path(path).is_file():
                 raise ConfigError(f"data.{split}: {path} not found; build the paper's mix with "
-                                  f"`python prepare_data.py train`, the offline suite with `python tasks.py`, "
-                                  f"or set data.{split}=PATH to a JSONL file")
-    tools, tc = cfg["agent"]["tools"], cfg["tools"]
-    if "Local_Search" in tools and tc["corpus_index"]:
-        if not (Path(tc["corpus_index"]) / "meta.json").is_file():
-            raise ConfigError(f"tools.corpus_index: {tc['corpus_index']} is not a built index (no meta.json); "
-                              f"build it with `python retriever.py build CORPUS {tc['corpus_index']}`")
-    elif "Local_Search" in tools and not Path(tc["corpus"]).is_file():
-        raise ConfigError(f"tools.corpus: {tc['corpus']} not found (Local_Search reads it); "
-                          f"regenerate it with `python tasks.py` or set tools.corpus=PATH")
+                                  f"`python -m scripts.prepare_data train`, the offline suite with "
+                                  f"`python -m scripts.make_tasks`, or set data.{split}=PATH to a JSONL file")
     check_model_name("model.name", cfg["model"]["name"])
     for p in model_paths:
         check_model_name("--model", p)
-    for name in tools:
-        missing = _env_missing(TOOL_CLASSES[name].required_env(tc))
-        if missing:
-            where = f" (tools.google_provider is {tc['google_provider']})" if name == "Google_Search" else ""
-            raise ConfigError(f"agent.tools: {name} needs {' and '.join(missing)} in the environment{where}; "
-                              f"export {missing[0]}=..., or drop {name} from agent.tools")
-    wikimedia = is_wikimedia(urlparse(tc["wikipedia_url"]).hostname)  # (a local mirror has its own rules)
-    if "Wikipedia_Search" in tools and wikimedia and not tc["contact"].strip():
-        raise ConfigError("tools.contact is empty: Wikimedia's User-Agent policy asks automated clients for a way to "
-                          "reach their operator; set tools.contact=you@example.org (an email address or a URL), "
-                          "or drop Wikipedia_Search from agent.tools")
     j = cfg["judge"]
     if j["llm"] and j["base_url"]:
         if not re.match(r"^https?://", j["base_url"]):

@@ -2,8 +2,8 @@
 (BM25), and as an index on disk for a corpus too large to hold (DiskBM25), such as the
 2018 Wikipedia dump cut into 21M passages of 100 words that Search-R1 retrieves from.
 
-    python retriever.py build CORPUS INDEX_DIR     # once; then tools.corpus_index: INDEX_DIR
-    python retriever.py search INDEX_DIR "who wrote hey jude" [-k 3]
+    python -m scripts.build_index CORPUS INDEX_DIR     # once; then tools.corpus_index: INDEX_DIR
+    python -m scripts.build_index --search INDEX_DIR "who wrote hey jude" [-k 3]
 
 CORPUS is JSONL (optionally .gz) with {"title", "text"} rows or Search-R1's {"contents"}
 rows (the first line of contents is the title, in quotes), or a TSV with a header row
@@ -26,7 +26,6 @@ document).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gzip
 import itertools
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import iter_jsonl
+from support.datasets import iter_jsonl
 
 K1, B = 1.5, 0.75  # BM25's usual constants (Lucene's defaults are 1.2 / 0.75; Pyserini's 0.9 / 0.4)
 FORMAT = 1  # bumped when the files of an index change meaning
@@ -264,7 +263,7 @@ class DiskBM25:
         meta_path = folder / "meta.json"
         if not meta_path.is_file():
             raise FileNotFoundError(f"{folder} is not an index (no meta.json); build one with "
-                                    f"`python retriever.py build CORPUS {folder}`")
+                                    f"`python -m scripts.build_index CORPUS {folder}`")
         self.meta = json.loads(meta_path.read_text())
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{folder} is an index of format {self.meta.get('format')}, this code reads "
@@ -368,35 +367,3 @@ class DiskBM25:
             return {}
         cand = np.unique(np.concatenate([np.asarray(self.docs[lo:hi], dtype=np.int64) for lo, hi, _ in terms]))
         return dict(zip(cand.tolist(), self._score(cand, terms).tolist()))
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Build or query an on-disk BM25 index for Local_Search.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="index a corpus (JSONL or TSV, optionally .gz) into a new folder")
-    b.add_argument("corpus")
-    b.add_argument("index_dir")
-    b.add_argument("--block", type=int, default=250_000, help="passages per block held in memory while building")
-    s = sub.add_parser("search", help="print the best passages for a query")
-    s.add_argument("index_dir")
-    s.add_argument("query")
-    s.add_argument("-k", type=int, default=3)
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "build":
-            meta = build_index(args.corpus, args.index_dir, block_docs=args.block)
-            print(f"indexed {meta['docs']:,} passages, {meta['terms']:,} terms, {meta['postings']:,} postings "
-                  f"in {meta['build_s']}s -> {args.index_dir} (set tools.corpus_index: {args.index_dir})")
-        else:
-            index = DiskBM25(args.index_dir)
-            for doc, score in index.top(args.query, args.k):
-                p = index.passage(doc)
-                print(f"{score:7.3f}  [{p['id']}] {p['title']}: {p['text'][:200]}")
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

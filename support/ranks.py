@@ -122,19 +122,13 @@ class World:
             tdist.all_reduce(p.grad)  # SUM; every rank receives the same bits
 
     def agree_decode(self, llms: list) -> None:
-        """Every rank decodes with rank 0's decode step (speedups.choose_decode measures the
-        fastest per machine; two machines could choose differently and then sum floats in
-        different orders)."""
+        """Every rank decodes as rank 0 does (agentflow.LLM.decode_name: the fastest way is
+        measured per machine, and two machines could choose differently and then sum
+        floats in different orders)."""
         if self.size == 1:
             return
-        import agentflow
-        import speedups
-
-        ways = {"plain": agentflow.decode, "wx": speedups.decode_step, "xw": speedups.decode_step_xw}
-        name_of = {id(f): name for name, f in ways.items()}
-        names = self.broadcast([name_of[id(llm.decode)] for llm in llms])
-        for llm, name in zip(llms, names):
-            llm.decode = ways[name]
+        for llm, name in zip(llms, self.broadcast([llm.decode_name for llm in llms])):
+            llm.use_decode(name)
 
 
 SINGLE = World()

@@ -93,7 +93,7 @@ def _du_mb(path: Path) -> float:
 
 def worker_ours(corpus: Path, work: Path, queries: list[str]) -> dict:
     sys.path.insert(0, str(ROOT))
-    from retriever import DiskBM25, build_index
+    from support.bm25 import DiskBM25, build_index
     t = time.perf_counter()
     build_index(corpus, work / "ours", progress=False)
     build_s = time.perf_counter() - t
@@ -161,7 +161,7 @@ def main() -> int:
         print(json.dumps(fn(work / "corpus.jsonl", work, queries)))
         return 0
 
-    from speedups import cpu_name
+    from support.speed import cpu_name
     tmp = None if args.dir else tempfile.TemporaryDirectory()
     work = Path(args.dir or tmp.name)
     work.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,22 @@
+"""The support beneath the method: what the top-level files stand on, none of it needed to
+follow Flow-GRPO from train.py through the rollout to the update.
+
+It never imports the method files (tests/test_layout.py checks it). What is here:
+
+    speed.py           the sampler's and the loss's speed work (the plain path is in agentflow.py, flow_grpo.py)
+    batching.py        left padding and the shared prefix, for both paths
+    models.py          loading a model; the offline default converted once
+    device_memory.py   the memory plan of a run, and the sampler's sub-batches within it
+    optim.py           AdamW with fp32 master weights; which weights train; the frozen reference
+    ranks.py           several processes under torchrun: shares, gradient sums, gathers
+    checkpoints.py     save and resume, atomically
+    seeds.py           every seed a run derives from its one seed
+    run_log.py         what a step writes: trajectories and the metrics row
+    provenance.py      run.json: where and with what each process of a run ran
+    config.py          every knob, its default, validation, the preflight
+    datasets.py        benchmark and task files -> items
+    answers.py, math_answer.py   reading answers for the judge's rules
+    web.py, reply_cache.py, sandbox.py, bm25.py   beneath the tools
+    text.py            one way to cut text, one way to write a plan
+    report/            report.html and run comparisons
+"""

