@@ -60,7 +60,8 @@ from flow_grpo import LossConfig, build_rows, group_advantages, policy_update
 from judge import Judge, judge_counts
 from support.device_memory import PlanError, plan_for
 from support.optim import frozen_reference, make_optimizer, select_trainable
-from support.report.page import note_run, record_run, write_report
+from support.provenance import note_run, record_run
+from support.report.page import write_report
 from support.sandbox import SandboxError
 from support.models import load_model
 from tools import build_tools, check_toolset

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytest  # noqa: E402
 
 from support.report import charts  # noqa: E402
+from support import provenance  # noqa: E402
 from support.report import page as report  # noqa: E402
 from eval import summarize  # noqa: E402  (the real summary format)
 
@@ -614,8 +615,8 @@ def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     cfg = json.loads((out / "config.json").read_text())
-    first = report.record_run(out, cfg)
-    report.record_run(out, {**cfg, "model": {**cfg["model"], "threads": 3}})  # resumed, other threads
+    first = provenance.record_run(out, cfg)
+    provenance.record_run(out, {**cfg, "model": {**cfg["model"], "threads": 3}})  # resumed, other threads
     procs = json.loads((out / "run.json").read_text())["processes"]
     assert len(procs) == 2 and procs[0] == first
     for key in ("seed", "git_commit", "torch", "transformers", "python", "cpu", "cpu_capability", "threads",
@@ -624,12 +625,12 @@ def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
     assert procs[1]["threads"] == 3
     import torch
     assert procs[0]["torch"] == torch.__version__
-    repo = Path(report.__file__).resolve().parent
+    repo = provenance.ROOT
     if (repo / ".git").exists():
         assert re.fullmatch(r"[0-9a-f]{40}( dirty)?", procs[0]["git_commit"])
     stamps = [f for f in registered if f.__qualname__.startswith("record_run")]  # (imports register theirs)
     assert len(stamps) == 2
-    report.note_run(out, first, decode="step")  # known once the model has loaded: the first process's only
+    provenance.note_run(out, first, decode="step")  # known once the model has loaded: the first process's only
     for stamp in stamps:  # the exit hooks: each stamps its own process's wall time
         stamp()
     procs = json.loads((out / "run.json").read_text())["processes"]

@@ -1,0 +1,98 @@
+"""Provenance: where and with what each process of a run ran (out_dir/run.json).
+
+What a reader needs to see why the same seed gives another number on another machine:
+the code's commit, torch and transformers versions, the CPU and the SIMD level torch
+dispatches to, threads, the decode way, wall time. train.py calls record_run once, right
+after it writes config.json; the report shows it in every run's header.
+"""
+
+import atexit
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from support import speed
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: its git commit is the code's version
+
+
+
+
+def provenance(cfg: dict) -> dict:
+    """This process: seed, code version, library versions, CPU, threads, start time."""
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += " dirty"  # tracked files differ from that commit: the numbers may not reproduce from it
+    device = cfg.get("model", {}).get("device", "auto")
+    gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
+    return {"seed": cfg.get("seed"), "git_commit": commit, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpu": speed.cpu_name(),
+            # The SIMD level torch dispatches its CPU kernels to (AVX2, AVX512, ...): two
+            # machines with the same CPU name can still sum floats in another order.
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            # train.py sets model.threads after this call, so the config says what the run uses.
+            "threads": cfg.get("model", {}).get("threads") or torch.get_num_threads(), "gpu": gpu,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "started_unix": round(time.time(), 3)}
+
+
+def record_run(out_dir, cfg: dict) -> dict:
+    """Append this process's provenance to out_dir/run.json and stamp its wall time there
+    when the process exits.
+
+    A list, one entry per process: a resumed run may have been continued on another
+    machine or another torch version, and its total wall time (evaluations included) is
+    the sum of its processes' times. The exit stamp runs on a normal end, an exception or
+    Ctrl-C (atexit); a process killed outright leaves its entry without wall_s, and the
+    report says so."""
+    entry = provenance(cfg)
+
+    def stamp():
+        try:  # re-read: another run() in this process may have appended since
+            note_run(out_dir, entry, wall_s=round(time.time() - entry["started_unix"], 1))
+        except OSError:  # the folder is gone (a test's temporary run): nothing to stamp
+            pass
+
+    _save_run(Path(out_dir) / "run.json", lambda ps: ps + [entry])
+    atexit.register(stamp)
+    return entry
+
+
+def note_run(out_dir, entry: dict, **fields) -> None:
+    """Add `fields` to this process's run.json entry (`entry`, from record_run): what is
+    known only later, such as the decode way chosen once the model has loaded."""
+    _save_run(Path(out_dir) / "run.json",
+              lambda ps: [{**p, **fields} if p.get("started_unix") == entry["started_unix"] else p for p in ps])
+
+
+def _save_run(path: Path, update) -> None:
+    old = _read_json(path)
+    processes = old.get("processes") if isinstance(old, dict) else None
+    processes = update([p for p in processes or [] if isinstance(p, dict)])
+    tmp = path.with_name(f".run.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"processes": processes}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------
+# Section 4: tool-usage shift per task kind
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
