@@ -1,8 +1,8 @@
-"""report.py on fake run directories laid out like train.py's: a full run, a run with only
-metrics, an empty folder, two runs compared; the interval arithmetic; provenance; and the
-page driven in headless Chromium (skipped, saying why, when chromium or chromedriver is
-not installed). No model runs: the files are written here, in the formats train.py and
-eval.py write."""
+"""The run report (support/report/, scripts/report.py) on fake run directories laid out
+like train.py's: a full run, a run with only metrics, an empty folder, two runs compared;
+the interval arithmetic; provenance; and the page driven in headless Chromium (skipped,
+saying why, when chromium or chromedriver is not installed). No model runs: the files are
+written here, in the formats train.py and eval.py write."""
 
 import base64
 import json
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
-from support.report import charts  # noqa: E402
+import scripts.report  # noqa: E402
 from support import provenance  # noqa: E402
-from support.report import page as report  # noqa: E402
+from support.report import charts, compare, curves, page, runs, stats  # noqa: E402
 from eval import summarize  # noqa: E402  (the real summary format)
 
 HOSTILE = "</script><img src=x onerror=alert(1)>"
@@ -247,13 +247,13 @@ def results(out: Path, step: int) -> list[dict]:
 
 
 def loose_in(traj: dict) -> bool:
-    """Written here without report.py: the planner's tool line does not hold the name of
-    the tool its turn was recorded with."""
+    """Written here without the report's code: the planner's tool line does not hold the
+    name of the tool its turn was recorded with."""
     first = {e["turn"]: e["output"].splitlines()[0] for e in traj["log"] if e["module"] == "planner"}
     return any(m["tool"] and m["tool"].lower() not in first[m["turn"]].lower() for m in traj["memory"])
 
 
-N_CURVES = len(report.CURVES)
+N_CURVES = len(curves.CURVES)
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ N_CURVES = len(report.CURVES)
 def test_full_run(tmp_path):
     steps, groups, G = 5, 2, 4
     out = make_fake_run(tmp_path, steps=steps, groups=groups, G=G)
-    path = report.write_report(out)
+    path = page.write_report(out)
     assert path == out / "report.html" and path.exists()
     assert not list(out.glob(".report.html.*"))  # the temporary file was renamed
     text = path.read_text(encoding="utf-8")
@@ -302,7 +302,7 @@ def test_full_run(tmp_path):
                 assert r["turns"][0]["planner"].startswith("Tool: ")
     assert "advantage A_i, broadcast to every planner turn" in text
     # Text fields are capped.
-    assert all(len(t["result"]) <= report.CAP["result"] + 60
+    assert all(len(t["result"]) <= page.CAP["result"] + 60
                for st in data["by_step"].values() for g in st["groups"] for r in g["rollouts"] for t in r["turns"])
 
 
@@ -317,7 +317,7 @@ def test_hostile_text_is_escaped(tmp_path):
         r["tool_shares"][HOSTILE] = 0.1
         r["top_tool"] = HOSTILE
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = report.write_report(out).read_text(encoding="utf-8")
+    text = page.write_report(out).read_text(encoding="utf-8")
     assert HOSTILE not in text and "<img" not in text and "</script><img" not in text
     c = check_html(text)
     assert not any(t == "img" for t, _ in c.tags)
@@ -333,7 +333,7 @@ def test_hostile_text_is_escaped(tmp_path):
 def test_only_metrics(tmp_path):
     out = make_fake_run(tmp_path, steps=3, evals=False, trajectories=False)
     (out / "config.json").unlink()
-    text = report.write_report(out).read_text(encoding="utf-8")
+    text = page.write_report(out).read_text(encoding="utf-8")
     c = check_html(text)
     for h in SECTIONS:
         assert h in c.headings, h
@@ -356,8 +356,8 @@ def test_run_in_progress_and_many_steps(tmp_path, monkeypatch):
     rows[3] = rows[3].replace('"loss": ', '"loss": NaN, "old_loss": ')  # json.dumps writes NaN
     with open(out / "metrics.jsonl", "w") as f:
         f.write("\n".join(rows) + '\n{"step": 13, "reward_me')  # the last line cut mid-write
-    monkeypatch.setattr(report, "MAX_EMBED_STEPS", 5)
-    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    monkeypatch.setattr(page, "MAX_EMBED_STEPS", 5)
+    c = check_html(page.write_report(out).read_text(encoding="utf-8"))
     assert "No after-training evaluation yet" in " ".join(c.text)
     steps = embedded(c)["steps"]
     assert len(steps) <= 5 and steps[0] == 1 and steps[-1] == 12
@@ -366,22 +366,22 @@ def test_run_in_progress_and_many_steps(tmp_path, monkeypatch):
 def test_empty_and_missing_dir(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    text = report.write_report(empty).read_text(encoding="utf-8")
+    text = page.write_report(empty).read_text(encoding="utf-8")
     c = check_html(text)
     assert "Nothing to report yet" in c.headings
     with pytest.raises(FileNotFoundError):
-        report.write_report(tmp_path / "nope")
-    assert report.main([str(tmp_path / "nope")]) == 2
-    assert report.main([str(empty)]) == 0
+        page.write_report(tmp_path / "nope")
+    assert scripts.report.main([str(tmp_path / "nope")]) == 2
+    assert scripts.report.main([str(empty)]) == 0
     assert capsys.readouterr().out.strip().endswith("report.html")
 
 
 def test_nice_ticks_and_step_picking():
     lo, hi, ticks = charts.nice_ticks(0.0013, 0.0087)
     assert lo <= 0.0013 and hi >= 0.0087 and 3 <= len(ticks) <= 7
-    assert report.pick_steps(list(range(1, 101)), 40)[0] == 1 and report.pick_steps(list(range(1, 101)), 40)[-1] == 100
-    assert len(report.pick_steps(list(range(1, 101)), 40)) == 40
-    assert report.pick_steps([3, 4], 40) == [3, 4]
+    assert page.pick_steps(list(range(1, 101)), 40)[0] == 1 and page.pick_steps(list(range(1, 101)), 40)[-1] == 100
+    assert len(page.pick_steps(list(range(1, 101)), 40)) == 40
+    assert page.pick_steps([3, 4], 40) == [3, 4]
 
 
 def test_malformed_values_still_render(tmp_path):
@@ -394,7 +394,7 @@ def test_malformed_values_still_render(tmp_path):
                                                    "after": "not a summary"}))
     with open(out / "trajectories" / "step_2.jsonl", "a") as f:
         f.write(json.dumps({"group": 0, "memory": "bad", "log": None, "reward": "x"}) + "\n")
-    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    c = check_html(page.write_report(out).read_text(encoding="utf-8"))
     for h in SECTIONS:
         assert h in c.headings, h
     assert embedded(c)["steps"] == [1, 2, 3]
@@ -406,10 +406,10 @@ def test_malformed_values_still_render(tmp_path):
 
 def test_wilson_interval():
     # At k = 0 the Wilson upper limit has the closed form z^2 / (n + z^2).
-    z2 = report.Z95 ** 2
-    assert report.wilson(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
-    assert report.wilson(10, 10) == pytest.approx((10 / (10 + z2), 1.0))
-    lo, hi = report.wilson(38, 40)
+    z2 = stats.Z95 ** 2
+    assert stats.wilson(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
+    assert stats.wilson(10, 10) == pytest.approx((10 / (10 + z2), 1.0))
+    lo, hi = stats.wilson(38, 40)
     assert lo < 0.95 < hi <= 1 and hi - lo < 0.2
     # Its centre is pulled towards 1/2, unlike the Wald interval's.
     assert (lo + hi) / 2 < 0.95
@@ -433,35 +433,35 @@ def exact_coverage(interval, n: int, probs: tuple[float, float, float, float]) -
 
 def test_paired_change_interval():
     # Mirror image: swapping the flips mirrors the interval around 0.
-    lo, hi = report.paired_change_interval(10, 28, 2, 56)
-    assert report.paired_change_interval(10, 2, 28, 56) == pytest.approx((-hi, -lo))
+    lo, hi = stats.paired_change_interval(10, 28, 2, 56)
+    assert stats.paired_change_interval(10, 2, 28, 56) == pytest.approx((-hi, -lo))
     assert lo < 26 / 96 < hi and lo > 0
     # No flips: the change is 0 and the interval holds it.
-    lo, hi = report.paired_change_interval(30, 0, 0, 10)
+    lo, hi = stats.paired_change_interval(30, 0, 0, 10)
     assert lo < 0 < hi
     # Pairing narrows it when the verdicts agree (most items stay as they were).
-    paired = report.paired_change_interval(30, 4, 1, 5)
-    unpaired = report.change_interval(34, 31, 40)
+    paired = stats.paired_change_interval(30, 4, 1, 5)
+    unpaired = stats.change_interval(34, 31, 40)
     assert paired[1] - paired[0] < unpaired[1] - unpaired[0]
     # It holds its nominal 95% on the size of a task kind's held-out split: exact coverage.
     for probs in ((0.6, 0.15, 0.05, 0.2), (0.45, 0.05, 0.05, 0.45), (0.3, 0.3, 0.1, 0.3)):
-        cover = exact_coverage(report.paired_change_interval, 20, probs)
+        cover = exact_coverage(stats.paired_change_interval, 20, probs)
         assert cover > 0.93, (probs, cover)
     # ... which the textbook Wald interval for a paired change does not.
     def wald(a, b, c, d):
         n = a + b + c + d
         diff = (b - c) / n
         se = math.sqrt(max(0.0, (b + c) / n - diff ** 2) / n)
-        return diff - report.Z95 * se, diff + report.Z95 * se
+        return diff - stats.Z95 * se, diff + stats.Z95 * se
     for probs in ((0.9, 0.08, 0.01, 0.01), (0.85, 0.1, 0.0, 0.05)):  # few flips, all one way
-        assert exact_coverage(wald, 20, probs) < 0.9 < exact_coverage(report.paired_change_interval, 20, probs)
+        assert exact_coverage(wald, 20, probs) < 0.9 < exact_coverage(stats.paired_change_interval, 20, probs)
 
 
 def test_mcnemar_p():
-    assert report.mcnemar_p(0, 0) == 1.0 and report.mcnemar_p(5, 5) == 1.0
-    assert report.mcnemar_p(0, 2) == pytest.approx(0.5)
-    assert report.mcnemar_p(28, 2) == pytest.approx(2 * (1 + 30 + 435) / 2 ** 30)
-    assert report.mcnemar_p(2, 28) == report.mcnemar_p(28, 2)
+    assert stats.mcnemar_p(0, 0) == 1.0 and stats.mcnemar_p(5, 5) == 1.0
+    assert stats.mcnemar_p(0, 2) == pytest.approx(0.5)
+    assert stats.mcnemar_p(28, 2) == pytest.approx(2 * (1 + 30 + 435) / 2 ** 30)
+    assert stats.mcnemar_p(2, 28) == stats.mcnemar_p(28, 2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -479,26 +479,26 @@ def one_turn(turn, line, tool, verdict="stop", tokens=None, finish=None):
 def test_planner_turns_flags():
     log, memory = zip(one_turn(1, "Python_Corner", "Python_Coder", "continue", 16, "length"),
                       one_turn(2, "nothing useful", "", "", 7, "stop"))
-    turns = report.planner_turns({"log": list(log), "memory": list(memory)})
+    turns = runs.planner_turns({"log": list(log), "memory": list(memory)})
     assert [t["loose"] for t in turns] == [True, False]
     assert [t["no_tool"] for t in turns] == [False, True]
     assert [t["at_cap"] for t in turns] == [True, False] and [t["tokens"] for t in turns] == [16, 7]
     assert turns[0]["tool_line"] == "Python_Corner"
-    assert report.out_of_turns(turns, 2) and not report.out_of_turns(turns, 3)
-    exact = report.planner_turns(dict(zip(("log", "memory"), map(list, zip(one_turn(1, "Python_Coder", "Python_Coder"))))))
+    assert runs.out_of_turns(turns, 2) and not runs.out_of_turns(turns, 3)
+    exact = runs.planner_turns(dict(zip(("log", "memory"), map(list, zip(one_turn(1, "Python_Coder", "Python_Coder"))))))
     assert not exact[0]["loose"] and exact[0]["at_cap"] is None  # no finish reason recorded
-    stopped = report.planner_turns(dict(zip(("log", "memory"), map(list, zip(one_turn(1, "Local", "Local_Search",
+    stopped = runs.planner_turns(dict(zip(("log", "memory"), map(list, zip(one_turn(1, "Local", "Local_Search",
                                                                                          "stop"))))))
-    assert stopped[0]["loose"] and not report.out_of_turns(stopped, 1)
+    assert stopped[0]["loose"] and not runs.out_of_turns(stopped, 1)
     # Without finish reasons, the share at the cap is bounded from the mean length.
-    assert report.cap_share({"actions": 10}, 15.6, 16) == (pytest.approx(0.6), False)
-    assert report.cap_share({"actions": 10}, 9.0, 16) == (0.0, False)
-    assert report.cap_share({"actions": 4, "with_finish": 4, "at_cap": 1}, 9.0, 16) == (0.25, True)
+    assert runs.cap_share({"actions": 10}, 15.6, 16) == (pytest.approx(0.6), False)
+    assert runs.cap_share({"actions": 10}, 9.0, 16) == (0.0, False)
+    assert runs.cap_share({"actions": 4, "with_finish": 4, "at_cap": 1}, 9.0, 16) == (0.25, True)
 
 
 def test_cut_table_and_curves(tmp_path):
     out = make_fake_run(tmp_path, steps=3, groups=2, G=2)
-    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    c = check_html(page.write_report(out).read_text(encoding="utf-8"))
     plain = " ".join(c.text)
     assert "What was cut or read loosely" in c.headings
     trajs = [json.loads(line) for s in (1, 2, 3) for line in (out / "trajectories" / f"step_{s}.jsonl").read_text().splitlines()]
@@ -508,7 +508,7 @@ def test_cut_table_and_curves(tmp_path):
     loose = sum(tr["memory"][e["turn"] - 1]["tool"].lower() not in e["output"].splitlines()[0].lower()
                 for tr in trajs for e in tr["log"] if e["module"] == "planner")
     assert f"{loose}/{len(planner)} " in plain and "Python_Corner" in plain
-    vals = report.step_values(report.load_run(out))
+    vals = curves.step_values(runs.load_run(out))
     st1 = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
     tok = [e["tokens"] for tr in st1 for e in tr["log"] if e["module"] == "planner"]
     assert vals["tokens_per_action"][1] == pytest.approx(sum(tok) / len(tok))
@@ -535,16 +535,16 @@ def test_small_charts_share_x_and_rates_autoscale(tmp_path):
     for r in rows:
         r["tool_error_rate"] = 0.01 * r["step"]  # small: a 0..1 axis would flatten it
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = report.write_report(out).read_text(encoding="utf-8")
-    curves = text[text.index('id="curves"'):text.index('id="tool-shift"')]
-    svgs = re.findall(r"<svg.*?</svg>", curves, re.S)
+    text = page.write_report(out).read_text(encoding="utf-8")
+    curves_html = text[text.index('id="curves"'):text.index('id="tool-shift"')]
+    svgs = re.findall(r"<svg.*?</svg>", curves_html, re.S)
     assert len(svgs) == N_CURVES
     # The held-out points at step 0 and the training steps from 1: one x-axis for all.
     assert all(x_ticks(s) == x_ticks(svgs[0]) for s in svgs), {x_ticks(s)[0] for s in svgs}
     assert x_ticks(svgs[0])[0][1] == "0"
     y_labels = lambda svg: [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)</text>', svg)]  # noqa: E731
-    assert 0.05 <= max(y_labels(svg_of(curves, "Tool-call error rate"))) < 0.2
-    assert max(y_labels(svg_of(curves, "Reward and accuracy"))) == 1.0  # accuracy keeps 0..1
+    assert 0.05 <= max(y_labels(svg_of(curves_html, "Tool-call error rate"))) < 0.2
+    assert max(y_labels(svg_of(curves_html, "Reward and accuracy"))) == 1.0  # accuracy keeps 0..1
 
 
 # ----------------------------------------------------------------------------------------
@@ -553,7 +553,7 @@ def test_small_charts_share_x_and_rates_autoscale(tmp_path):
 
 def test_flipped_items(tmp_path):
     out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
-    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    c = check_html(page.write_report(out).read_text(encoding="utf-8"))
     before = {r["id"]: r for r in results(out, 0)}
     after = {r["id"]: r for r in results(out, 2)}
     items = embedded(c, "items-data")["items"]
@@ -563,7 +563,7 @@ def test_flipped_items(tmp_path):
                 "right" if after[i]["correct"] else "wrong") for i in before}
     assert {it["id"]: it["change"] for it in items} == want
     assert [it["change"] for it in items] == sorted((it["change"] for it in items),
-                                                    key=list(report.CHANGE_ORDER).index)  # flips first
+                                                    key=list(page.CHANGE_ORDER).index)  # flips first
     it = items[0]
     assert it["before"]["turns"][0]["planner"] == before[it["id"]]["trajectory"]["log"][0]["output"]
     # The counts with their percentages, per kind: e.g. "5/6 = 83.3%".
@@ -574,7 +574,7 @@ def test_flipped_items(tmp_path):
         assert f"{k}/{len(rows)} = {100 * k / len(rows):.1f}%" in plain
     gained, lost = Counter(want.values())["gained"], Counter(want.values())["lost"]
     assert f"+{gained} / −{lost}" in plain
-    assert f"{report.mcnemar_p(gained, lost):.3g}" in plain
+    assert f"{stats.mcnemar_p(gained, lost):.3g}" in plain
     assert "Wilson score interval" in plain and "McNemar" in plain
 
 
@@ -582,7 +582,7 @@ def test_plans_per_kind(tmp_path, capsys):
     """A plan is the tools of one trajectory in order. The summary's shares, the train.py
     table and the report's table all count them from the same held-out rows."""
     from support.text import plan_of
-    from train import print_learning_table
+    from support.run_log import print_learning_table
     assert plan_of(["Local_Search", "Python_Coder"]) == "Local_Search > Python_Coder"
     assert plan_of([]) == "(no tool)"
     out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
@@ -603,7 +603,7 @@ def test_plans_per_kind(tmp_path, capsys):
     assert f"turns {summarize(before)['by_kind']['two_step']['mean_turns']:.2f} -> " in two
     assert f"{top} " in two and f" -> {summary['by_kind']['two_step']['plans'][top]:.2f}" in two
     # The report's table, from results.jsonl, with the before share of the same plan.
-    plain = " ".join(check_html(report.write_report(out).read_text(encoding="utf-8")).text)
+    plain = " ".join(check_html(page.write_report(out).read_text(encoding="utf-8")).text)
     assert "Plans per task kind (before → after)" in plain
     b_two = summarize(before)["by_kind"]["two_step"]["plans"].get(top, 0.0)
     assert f"{top}: {100 * b_two:.1f}% → {100 * summary['by_kind']['two_step']['plans'][top]:.1f}%" in plain
@@ -638,20 +638,20 @@ def test_provenance_is_recorded_and_shown(tmp_path, monkeypatch):
     assert procs[0]["decode"] == "step" and "decode" not in procs[1]  # kept through the exit stamp
     procs[0]["wall_s"], procs[1]["wall_s"] = 100.0, 65.0
     (out / "run.json").write_text(json.dumps({"processes": procs}))
-    text = report.write_report(out).read_text(encoding="utf-8")
+    text = page.write_report(out).read_text(encoding="utf-8")
     header = text[text.index("<header>"):text.index("</header>")]
     assert "2 min 45 s wall time in all" in header and f"torch {torch.__version__}" in header
     assert "changed when the run was resumed" in text  # threads 0 -> 3
     assert "Weaker Python sandbox" not in text
     cfg["tools"] = {"python_isolation": "rlimits"}
     (out / "config.json").write_text(json.dumps(cfg))
-    header = report.write_report(out).read_text(encoding="utf-8").split("</header>")[0]
+    header = page.write_report(out).read_text(encoding="utf-8").split("</header>")[0]
     assert "Weaker Python sandbox" in header and "rlimits" in header
 
 
 def test_turn_sweep(tmp_path):
     out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
-    assert "No turn-budget sweep in this run" in report.write_report(out).read_text(encoding="utf-8")
+    assert "No turn-budget sweep in this run" in page.write_report(out).read_text(encoding="utf-8")
     rows = results(out, 0)
     sweep = {"budgets": [1, 2, 3], "planners": {}}
     for label, right in (("frozen (step 0)", 0.3), ("trained (step 2)", 0.7)):
@@ -660,7 +660,7 @@ def test_turn_sweep(tmp_path):
             graded = [{**r, "correct": k / len(rows) < right * b / 3} for k, r in enumerate(rows)]
             sweep["planners"][label][str(b)] = summarize(graded)
     (out / "turn_sweep.json").write_text(json.dumps(sweep))
-    c = check_html(report.write_report(out).read_text(encoding="utf-8"))
+    c = check_html(page.write_report(out).read_text(encoding="utf-8"))
     assert "Test-time turn budget" in c.headings
     plain = " ".join(c.text)
     for label in sweep["planners"]:
@@ -675,13 +675,13 @@ def test_turn_sweep(tmp_path):
 
 
 def test_comparison_page(tmp_path, capsys):
-    runs = tmp_path / "runs"
-    a = make_fake_run(runs, steps=3, groups=2, G=2, seed=0, name="seed0")
-    b = make_fake_run(runs, steps=3, groups=2, G=2, seed=1, name="seed1")
-    report.write_report(a)
-    assert report.main([str(a), str(b)]) == 0
+    parent = tmp_path / "runs"
+    a = make_fake_run(parent, steps=3, groups=2, G=2, seed=0, name="seed0")
+    b = make_fake_run(parent, steps=3, groups=2, G=2, seed=1, name="seed1")
+    page.write_report(a)
+    assert scripts.report.main([str(a), str(b)]) == 0
     path = Path(capsys.readouterr().out.strip())
-    assert path == (runs / "compare_seed0_seed1.html").resolve() or path == runs / "compare_seed0_seed1.html"
+    assert path == (parent / "compare_seed0_seed1.html").resolve() or path == parent / "compare_seed0_seed1.html"
     text = path.read_text(encoding="utf-8")
     c = check_html(text)
     assert "Flow-GRPO runs compared: seed0 vs seed1" in text
@@ -689,9 +689,9 @@ def test_comparison_page(tmp_path, capsys):
     assert "config: seed" in plain  # the one config key that differs
     assert 'href="seed0/report.html"' in text and "no report.html" in plain  # seed1 has none yet
     # Curves overlaid: every chart drawn once, with both runs in it.
-    curves = text[text.index('id="curves"'):text.index('id="tool-shift"')]
-    assert len(re.findall(r"<svg", curves)) == N_CURVES
-    assert "seed0: reward mean" in curves and "seed1: reward mean" in curves
+    curves_html = text[text.index('id="curves"'):text.index('id="tool-shift"')]
+    assert len(re.findall(r"<svg", curves_html)) == N_CURVES
+    assert "seed0: reward mean" in curves_html and "seed1: reward mean" in curves_html
     # Before/after side by side, and the items on which the runs differ.
     flat = "".join(c.text)
     for run in (a, b):
@@ -701,9 +701,9 @@ def test_comparison_page(tmp_path, capsys):
                 for run in (a, b)]
     differ = sum(verdicts[0][i] != verdicts[1][i] for i in verdicts[0])
     assert f"Items on which the runs differ ({differ} of 18)" in plain
-    assert report.main([str(a), str(tmp_path / "nope")]) == 2
+    assert scripts.report.main([str(a), str(tmp_path / "nope")]) == 2
     out = tmp_path / "here.html"
-    assert report.main([str(a), str(b), "--out", str(out)]) == 0 and out.exists()
+    assert scripts.report.main([str(a), str(b), "--out", str(out)]) == 0 and out.exists()
 
 
 # ----------------------------------------------------------------------------------------
@@ -801,7 +801,7 @@ def browser():
 
 def test_report_in_a_browser(tmp_path, browser):
     out = make_fake_run(tmp_path, steps=3, groups=3, G=2, hostile=True)
-    report.write_report(out)
+    page.write_report(out)
     moved = out.rename(tmp_path / "moved-run")  # the header must name the folder as it is now
     browser.open(moved / "report.html")
 
@@ -869,12 +869,12 @@ def test_report_in_a_browser(tmp_path, browser):
 
 
 def test_comparison_in_a_browser(tmp_path, browser):
-    runs = tmp_path / "runs"
-    a = make_fake_run(runs, steps=2, groups=1, G=2, seed=0, name="seed0")
-    b = make_fake_run(runs, steps=2, groups=1, G=2, seed=1, name="seed1")
-    page = report.write_comparison([a, b])
+    parent = tmp_path / "runs"
+    a = make_fake_run(parent, steps=2, groups=1, G=2, seed=0, name="seed0")
+    b = make_fake_run(parent, steps=2, groups=1, G=2, seed=1, name="seed1")
+    path = compare.write_comparison([a, b])
     browser.console()
-    browser.open(page)
+    browser.open(path)
     assert browser.text("#run-dir").endswith("/compare_seed0_seed1.html")
     assert "seed0" in browser.text("#runs") and "seed1" in browser.text("#runs")
     errors = [e for e in browser.console() if e["level"] in ("SEVERE", "ERROR")]

@@ -1,4 +1,4 @@
-"""Inline SVG charts for the run report (report.py): line charts, stacked bars, the
+"""Inline SVG charts for the run report (page.py, compare.py): line charts, stacked bars, the
 before/after tool-share bars, and the HTML figure around each (title, legend, one line
 of explanation).
 
