@@ -1,6 +1,9 @@
-"""
-The toolset K of AgentFlow (paper section 1): the six tools, the short cards the
-planner reads to choose among them, and how they reach the network.
+"""The toolset K of AgentFlow (paper section 1): what a tool is, the short cards the planner
+reads to choose among tools, the three tools the offline default uses (Base_Generator,
+Python_Coder, Local_Search), and the registry a config names tools from. The paper's web
+tools (Wikipedia_Search, Google_Search, Web_Search) are in web_tools.py and register
+here the same way (tools.modules); a tool of your own is a Tool subclass in a module of
+yours, listed there too.
 
 Every tool takes one string (the command the executor LLM wrote) and returns a
 ToolResult: the text that goes into memory, already capped, or a short error. A tool
@@ -11,91 +14,45 @@ results, code that crashes, a made-up URL that answers 404): it goes into memory
 the reward judges it. An infrastructure failure is not (a 429 or a 5xx after every
 retry, a timeout, a refused or missing API key): the result says so (`infra`), and
 train.py leaves such a trajectory out of the update instead of scoring it 0, so the
-planner never learns to avoid a tool because a quota ran out. Network calls are
-retried with backoff, honouring Retry-After (_request); identical commands are answered
-from a per-tool cache (search tools only), so the G rollouts of a query that search
-the same thing send one request.
+planner never learns to avoid a tool because a quota ran out. Identical commands to a
+search are answered from a per-tool cache, so the G rollouts of a query that search the
+same thing send one request.
 
 Where this departs from the official code:
 - Its Python tool runs model code twice, in-process, unsandboxed, with a timeout that
-  cannot interrupt it. Here the code runs once, in its own process, under a supervisor
-  that enforces a wall-clock limit and leaves no process behind (sandbox.py).
+  cannot interrupt it. Here the code runs once, in its own Linux user, network, mount,
+  PID and IPC namespaces (no network, a read-only view of little more than the
+  interpreter, its own processes only), under rlimits and a wall clock, for root and
+  ordinary users alike (support/sandbox.py).
 - It pastes tool output into prompts uncapped. Here every output is cut to
   `max_output_chars` with a visible "...[cut N chars]" marker.
-- Its search tools call paid LLMs. Here Google_Search returns Google's results from a
-  results API (Serper by default; Google's own Custom Search JSON API as an option),
-  Web_Search ranks page chunks with BM25, and Local_Search (BM25 over a JSONL corpus,
-  or over an on-disk index of a whole Wikipedia dump, support/bm25.py) runs offline.
-
-The Python sandbox is sandbox.py: by default each program runs in its own Linux user,
-network, mount, PID and IPC namespaces (no network, a read-only view of little more
-than the interpreter, its own processes only), under rlimits and a wall clock, for
-root and ordinary users alike. Web_Search, which fetches URLs a model wrote, refuses
-internal addresses (support/web.py).
+- Its search tools call paid LLMs. Here Local_Search ranks a JSONL corpus (or an on-disk
+  index of a whole Wikipedia dump) with BM25 (support/bm25.py), offline.
 """
 from __future__ import annotations
 
 import copy
 import difflib
+import importlib
 import json
 import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from support.bm25 import BM25, DiskBM25, tokenize
-from support.reply_cache import ReplyCache
 from support.config import ConfigError, merge
+from support.reply_cache import ReplyCache
 from support.sandbox import ISOLATIONS, Limits, Sandbox, SandboxError
 from support.text import cut
-from support.web import WIKIMEDIA_LOCK, RetryPolicy, WebError, api_json, fetch_page_text, is_wikimedia, user_agent
+from support.web import WebError
 
-DEFAULT_TOOL_CFG = {
-    "max_output_chars": 600,      # every tool output is cut to this many characters
-    "search_top_k": 3,            # passages / pages / results returned by the search tools
-    "corpus": "data/corpus.jsonl",  # Local_Search: JSONL rows {"title", "text", optional "id"}
-    "corpus_index": "",           # Local_Search: a folder built by `python -m scripts.build_index` (a whole
-                                  #   Wikipedia dump); when set, it is searched instead of `corpus`
-    "python_timeout_s": 5.0,      # Python_Coder: wall-clock limit of one program
-    "python_memory_mb": 512,      # Python_Coder: address-space limit (RLIMIT_AS)
-    "python_max_procs": 32,       # Python_Coder: processes + threads (RLIMIT_NPROC)
-    "python_max_file_mb": 16,     # Python_Coder: largest file it may write (RLIMIT_FSIZE)
-    "python_workdir_mb": 64,      # Python_Coder: size of its working directory, the one place it may write
-    "python_interpreter": "",     # Python_Coder: its python; "" = ours, stdlib only; a venv's brings its packages
-    "python_isolation": "namespaces",  # Python_Coder: "namespaces" (else it refuses) or "rlimits" (no isolation; warns)
-    "python_sandbox_uid": 61100,  # Python_Coder as root: its uid, used by nothing else (rlimits: the 16 after it)
-    "web_timeout_s": 10.0,        # network tools: per-request timeout
-    "web_max_bytes": 2_000_000,   # Web_Search: bytes of a page read at most
-    "url_allow": [],              # Web_Search: hosts or CIDRs it may fetch although internal, e.g. [10.0.0.0/8]
-    # Retries of a network request on HTTP 429, 5xx, a timeout or a dropped connection. A
-    # request that still fails is an infrastructure failure: the trajectory is left out
-    # of the update (train.py), not scored 0.
-    "retry_attempts": 4,          # tries in all (1 = never retry)
-    "retry_backoff_s": 1.0,       # wait before the 2nd try, doubled for each later one (x 0.5..1, random),
-                                  #   unless the server says how long in Retry-After
-    "retry_max_wait_s": 30.0,     # longest single wait; a server asking for more ends the request at once
-    "retry_total_s": 60.0,        # no new try once this much time has passed since the first
-    "cache_size": 4096,           # search tools: replies kept per tool (infrastructure failures never;
-                                  #   least recently used dropped first), answered again for the same
-                                  #   command; 0 = off
-    # Wikimedia's User-Agent policy asks automated clients for a way to reach their operator;
-    # Wikipedia_Search refuses to start without it (config.preflight).
-    "contact": "",                # an email address or URL of yours, e.g. "you@example.org"
-    "wikipedia_url": "https://en.wikipedia.org/w/api.php",
-    "wikipedia_maxlag": 5,        # MediaWiki's maxlag (s): it asks non-interactive clients to send it and to
-                                  #   wait when the servers lag; 0 = not sent
-    # Google_Search's provider. Google closed its Custom Search JSON API to new customers
-    # and ends its whole-web search on 2027-01-01, so the default is Serper, a Google
-    # results API anyone can sign up for (serper.dev); cse keeps Google's own API for
-    # those who still have a key.
-    "google_provider": "serper",  # serper | cse
-    "serper_url": "https://google.serper.dev/search",
-    "serper_key_env": "SERPER_API_KEY",  # NAME of the environment variable holding the Serper key
-    "google_url": "https://www.googleapis.com/customsearch/v1",  # cse
-    "cse_key_env": "GOOGLE_API_KEY",     # cse: NAME of the variable holding the API key
-    "cse_id_env": "GOOGLE_CSE_ID",       # cse: NAME of the variable holding the search engine id (cx)
+# The settings of the toolset itself (tools.* in the config); each tool class adds its own.
+TOOLSET_SETTINGS = {
+    # Modules that define tools (e.g. a module of your own), imported before the config's
+    # toolset is checked: each registers its tools (@register) under their names.
+    "modules": ["web_tools"],
 }
 
 
@@ -151,9 +108,18 @@ class Tool:
     # The reply depends on the command alone (searches; not code, which may draw random
     # numbers or read the clock), so a repeated command may be answered from the cache.
     cacheable = False
+    # Its settings (tools.* in the config) with their defaults, and the values a setting
+    # may take where they are few; a subclass lists only its own.
+    settings = {
+        "max_output_chars": 600,  # every tool output is cut to this many characters
+        "search_top_k": 3,  # passages / pages / results returned by a search
+        "cache_size": 4096,  # cacheable tools: replies kept per tool (infrastructure failures never;
+                             #   least recently used dropped first), answered again for the same command; 0 = off
+    }
+    choices: dict[str, tuple] = {}
 
     def __init__(self, cfg: dict | None = None):
-        self.cfg = {**DEFAULT_TOOL_CFG, **(cfg or {})}
+        self.cfg = {**tool_settings(), **(cfg or {})}
         self.max_chars = int(self.cfg["max_output_chars"])
         size = int(self.cfg["cache_size"])
         self.cache = ReplyCache(size) if self.cacheable and size > 0 else None
@@ -256,6 +222,17 @@ class PythonCoder(Tool):
            "employees."),), "multiply the staff by 8", "print(2604 * 8)\n```"),
     )
     aliases = ("python", "code", "coder", "calculat", "comput")
+    settings = {
+        "python_timeout_s": 5.0,  # wall-clock limit of one program
+        "python_memory_mb": 512,  # address-space limit (RLIMIT_AS)
+        "python_max_procs": 32,  # processes + threads (RLIMIT_NPROC)
+        "python_max_file_mb": 16,  # largest file it may write (RLIMIT_FSIZE)
+        "python_workdir_mb": 64,  # size of its working directory, the one place it may write
+        "python_interpreter": "",  # its python; "" = ours, stdlib only; a venv's brings its packages
+        "python_isolation": "namespaces",  # "namespaces" (else it refuses) or "rlimits" (no isolation; warns)
+        "python_sandbox_uid": 61100,  # as root: its uid, used by nothing else (rlimits: the 16 after it)
+    }
+    choices = {"python_isolation": ISOLATIONS}
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
@@ -317,6 +294,11 @@ class LocalSearch(Tool):
                   continue_says="a calculation is still needed")
     aliases = ("local", "search", "retriev", "corpus", "lookup", "look up")
     cacheable = True
+    settings = {
+        "corpus": "data/corpus.jsonl",  # JSONL rows {"title", "text", optional "id"}
+        "corpus_index": "",  # a folder built by `python -m scripts.build_index` (a whole Wikipedia dump);
+                             #   when set, it is searched instead of `corpus`
+    }
 
     @classmethod
     def preflight(cls, cfg):
@@ -372,178 +354,63 @@ class LocalSearch(Tool):
         return "\n".join(cut(f"{p['title']}: {p['text']}", per_hit) for p in (passage(i) for i, _ in hits))
 
 
-# ----------------------------------------------------------------------------- network tools
+# ----------------------------------------------------------------------------- the toolset a config names
 
-class WikipediaSearch(Tool):
-    name = "Wikipedia_Search"
-    card = ("Searches Wikipedia and returns the opening paragraphs of the best-matching\n"
-            "articles. Good for well-known people, places, events and terms.\n"
-            "Input: a short query, ideally an article title.")
-    found_as = "a Wikipedia search found"
-    input_prefix, input_stops = "Query:", ("\n",)
-    examples = (("Who wrote Hamlet?", (), "find the author of Hamlet", " Hamlet"),)
-    aliases = ("wiki",)
-    cacheable = True
-    # MediaWiki error codes that mean "not now" rather than "not this": retried like a 503.
-    TRANSIENT = ("maxlag", "ratelimited")
-
-    @classmethod
-    def preflight(cls, cfg):
-        if is_wikimedia(urlparse(cfg["wikipedia_url"]).hostname) and not cfg["contact"].strip():
-            return ("tools.contact is empty: Wikimedia's User-Agent policy asks automated clients for a way to reach "
-                    "their operator; set tools.contact=you@example.org (an email address or a URL), or drop "
-                    "Wikipedia_Search from agent.tools")  # (a local mirror has its own rules)
-        return super().preflight(cfg)
-
-    def _api(self, params: dict) -> dict:
-        params = {**params, "format": "json", "formatversion": 2}
-        if int(self.cfg["wikipedia_maxlag"]) > 0:  # training is a non-interactive client
-            params["maxlag"] = int(self.cfg["wikipedia_maxlag"])
-        with WIKIMEDIA_LOCK:
-            return api_json(self.cfg["wikipedia_url"], RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
-                             transient_codes=self.TRANSIENT, params=params, agent=user_agent(self.cfg["contact"]))
-
-    def _run(self, command):
-        query = command.strip()
-        if not query:
-            raise ToolError("empty query")
-        found = self._api({"action": "query", "list": "search", "srsearch": query,
-                           "srlimit": int(self.cfg["search_top_k"])})
-        hits = found.get("query", {}).get("search", [])
-        if not hits:
-            raise ToolError(f"no Wikipedia article matches {query[:80]!r}")
-        titles = [h["title"] for h in hits]
-        pages = self._api({"action": "query", "prop": "extracts", "explaintext": 1, "exintro": 1,
-                           "titles": "|".join(titles), "redirects": 1}).get("query", {}).get("pages", [])
-        extracts = {p.get("title"): (p.get("extract") or "").strip() for p in pages}
-        per_hit = max(self.max_chars // len(hits) - 1, 40)
-        lines = []
-        for h in hits:  # in search order; the search snippet stands in for a missing extract
-            text = extracts.get(h["title"]) or re.sub("<[^>]+>", "", h.get("snippet", ""))
-            lines.append(cut(f"{h['title']}: {text}", per_hit))
-        return "\n".join(lines)
+TOOL_CLASSES: dict[str, type[Tool]] = {}  # by name, in the order they registered
 
 
-class GoogleSearch(Tool):
-    """Google's results through one of two APIs (tools.google_provider):
-    serper: POST {"q", "num"} with the key in X-API-KEY; results in "organic" (title,
-            link, snippet), Google's direct answer, if any, in "answerBox".
-    cse:    Google's Custom Search JSON API, GET key, cx, q, num; results in "items".
-            Closed to new customers; its whole-web search ends on 2027-01-01."""
-    name = "Google_Search"
-    card = ("Searches the web with Google; returns titles, short snippets and links.\n"
-            "Good for specific or recent facts. Input: a short search query.")
-    found_as = "a web search found"
-    input_prefix, input_stops = "Query:", ("\n",)
-    examples = (("Who won the 2018 World Cup?", (), "find the 2018 winner", " 2018 World Cup winner"),)
-    aliases = ("google",)
-    cacheable = True
-    PROVIDERS = ("serper", "cse")
-
-    def __init__(self, cfg=None):
-        super().__init__(cfg)
-        if self.cfg["google_provider"] not in self.PROVIDERS:
-            raise ValueError(f"tools.google_provider must be one of {', '.join(self.PROVIDERS)}, "
-                             f"got {self.cfg['google_provider']!r}")
-
-    @classmethod
-    def required_env(cls, cfg):
-        c = {**DEFAULT_TOOL_CFG, **(cfg or {})}
-        return (c["cse_key_env"], c["cse_id_env"]) if c["google_provider"] == "cse" else (c["serper_key_env"],)
-
-    @classmethod
-    def preflight(cls, cfg):
-        problem = super().preflight(cfg)
-        return problem.replace("in the environment;", f"in the environment (tools.google_provider is "
-                                                      f"{cfg['google_provider']});") if problem else ""
-
-    def _run(self, command):
-        query = command.strip()
-        if not query:
-            raise ToolError("empty query")
-        names = self.required_env(self.cfg)
-        values = [os.environ.get(n, "") for n in names]  # read now, not at import
-        if not all(values):
-            raise ToolError(f"Google_Search needs {' and '.join(names)} in the environment", infra=True)
-        k = min(int(self.cfg["search_top_k"]), 10)  # 10 is one page: what both APIs charge one query for
-        retry, timeout = RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"])
-        if self.cfg["google_provider"] == "serper":
-            data = api_json(self.cfg["serper_url"], retry, timeout, method="POST", json={"q": query, "num": k},
-                             headers={"X-API-KEY": values[0]})
-            box = data.get("answerBox") if isinstance(data.get("answerBox"), dict) else {}
-            answer = box.get("answer") or box.get("snippet")
-            items = ([{"title": box.get("title") or "Answer", "snippet": answer, "link": box.get("link", "")}]
-                     if answer else []) + list(data.get("organic") or [])
-        else:
-            items = api_json(self.cfg["google_url"], retry, timeout,
-                              params={"key": values[0], "cx": values[1], "q": query, "num": k}).get("items") or []
-        items = [it for it in items if isinstance(it, dict)][:k]
-        if not items:
-            raise ToolError(f"no Google results for {query[:80]!r}")
-        per_hit = self.max_chars // len(items) - 1
-        lines = []
-        for it in items:  # cut the snippet, not the link: the link is what Web_Search needs next
-            title, link = str(it.get("title", "")), str(it.get("link", ""))
-            snippet = cut(" ".join(str(it.get("snippet", "")).split()), max(per_hit - len(title) - len(link) - 5, 20))
-            lines.append(f"{title}: {snippet}" + (f" ({link})" if link else ""))
-        return "\n".join(lines)
+def register(cls: type[Tool]) -> type[Tool]:
+    """Make a Tool class one a config can name in agent.tools (a class decorator)."""
+    TOOL_CLASSES[cls.name] = cls
+    return cls
 
 
-_URL = re.compile(r"https?://[^\s<>\"'`]+")
+for _cls in (BaseGenerator, PythonCoder, LocalSearch):
+    register(_cls)
 
 
-class WebSearch(Tool):
-    name = "Web_Search"
-    card = ("Reads one web page and returns the passages most relevant to a question.\n"
-            "Input: a URL and a question. Use it on a link another search returned.")
-    found_as = "a web page gave"
-    input_prefix, input_stops = "Input:", ("\n",)
-    examples = (("How tall is the tower on https://example.org/tower ?", (), "read the page about the tower",
-                 " https://example.org/tower How tall is the tower?"),)
-    aliases = ("web", "url", "browse")
-    cacheable = True
-    CHUNK_WORDS, CHUNK_STRIDE = 80, 60  # 80-word chunks overlapping by 20, so a fact is rarely split
-
-    def _run(self, command):
-        match = _URL.search(command)
-        if not match:
-            raise ToolError("no URL in command")
-        url = match.group(0).rstrip(".,;:!?)]}")
-        question = (command[:match.start()] + " " + command[match.start() + len(url):]).strip()
-        url, text = fetch_page_text(url, RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
-                                    int(self.cfg["web_max_bytes"]), self.cfg["url_allow"], self.cfg["contact"])
-        words = text.split()
-        if not words:
-            raise ToolError(f"no text on page {url[:100]}")
-        # A chunk starts every STRIDE words until one reaches the end of the page.
-        stop = max(len(words) - (self.CHUNK_WORDS - self.CHUNK_STRIDE), 1)
-        chunks = [" ".join(words[i:i + self.CHUNK_WORDS]) for i in range(0, stop, self.CHUNK_STRIDE)]
-        k = int(self.cfg["search_top_k"])
-        best = [i for i, _ in BM25(chunks).top(question, k)] or list(range(min(k, len(chunks))))
-        per_hit = max(self.max_chars // len(best) - 1, 40)
-        return "\n".join(cut(chunks[i], per_hit) for i in best)
+def load_tool_modules(modules) -> None:
+    """Import the modules of tools.modules, whose tools register themselves."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"tools.modules: cannot import {name!r} ({e}); name a module on the path "
+                              f"that defines tools, or drop it") from None
 
 
-# ----------------------------------------------------------------------------- registry and batch calls
+def _own(cls: type, attr: str) -> dict:
+    """`attr` (settings, choices) of a tool class and its bases, each class's own entries."""
+    return {k: v for c in reversed(cls.__mro__) for k, v in vars(c).get(attr, {}).items()}
 
-TOOL_CLASSES: dict[str, type[Tool]] = {
-    cls.name: cls for cls in (BaseGenerator, PythonCoder, LocalSearch, WikipediaSearch, GoogleSearch, WebSearch)}
-SETTING_CHOICES = {"tools.python_isolation": ISOLATIONS, "tools.google_provider": GoogleSearch.PROVIDERS}
+
+def tool_settings() -> dict:
+    """Every setting a config may give (tools.*) with its default: the toolset's and those
+    of every registered tool."""
+    out = copy.deepcopy(TOOLSET_SETTINGS)
+    for cls in TOOL_CLASSES.values():
+        out.update(copy.deepcopy(_own(cls, "settings")))
+    return out
 
 
 def check_toolset(cfg: dict) -> None:
     """The config's toolset, before any model loads: agent.tools names known tools, every
-    tools.* key is a known setting of the right type (the rest take DEFAULT_TOOL_CFG's
-    values, written into cfg), and each tool has what it needs outside the file (its API
-    key, its corpus, a contact address: Tool.preflight). A ConfigError names the key and
-    the fix, one line for each tool that lacks something."""
+    tools.* key is a known setting of the right type (the rest take their defaults, written
+    into cfg), and each tool has what it needs outside the file (its API key, its corpus, a
+    contact address: Tool.preflight). tools.modules are imported first: their tools count.
+    A ConfigError names the key and the fix, one line for each tool that lacks something."""
+    modules = cfg["tools"].get("modules", TOOLSET_SETTINGS["modules"])
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"tools.modules must be a list of module names, got {modules!r}")
+    load_tool_modules(modules)
     for name in cfg["agent"]["tools"]:
         if name not in TOOL_CLASSES:
             near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
             hint = f"did you mean {near[0]}? " if near else ""
             raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}")
-    settings = copy.deepcopy(DEFAULT_TOOL_CFG)
-    merge(settings, cfg["tools"], DEFAULT_TOOL_CFG, "tools.", SETTING_CHOICES)
+    settings = tool_settings()
+    choices = {f"tools.{k}": v for cls in TOOL_CLASSES.values() for k, v in _own(cls, "choices").items()}
+    merge(settings, cfg["tools"], tool_settings(), "tools.", choices)
     cfg["tools"] = settings
     problems = [TOOL_CLASSES[name].preflight(settings) for name in cfg["agent"]["tools"]]
     if any(problems):
@@ -551,13 +418,16 @@ def check_toolset(cfg: dict) -> None:
 
 
 def build_tools(names: list[str], cfg: dict | None = None) -> dict[str, Tool]:
-    """Tools by name, in the given order, sharing one settings dict (defaults filled in)."""
+    """Tools by name, in the given order, sharing one settings dict (defaults filled in;
+    tools.modules imported first)."""
+    load_tool_modules((cfg or {}).get("modules", TOOLSET_SETTINGS["modules"]))
     unknown = [n for n in names if n not in TOOL_CLASSES]
     if unknown:
         raise ValueError(f"unknown tool(s) {unknown}; allowed: {sorted(TOOL_CLASSES)}")
-    bad_keys = sorted(set(cfg or {}) - set(DEFAULT_TOOL_CFG))
+    known = tool_settings()
+    bad_keys = sorted(set(cfg or {}) - set(known))
     if bad_keys:
-        raise ValueError(f"unknown tool setting(s) {bad_keys}; allowed: {sorted(DEFAULT_TOOL_CFG)}")
+        raise ValueError(f"unknown tool setting(s) {bad_keys}; allowed: {sorted(known)}")
     return {name: TOOL_CLASSES[name](cfg) for name in names}
 
 

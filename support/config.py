@@ -27,7 +27,7 @@ DEFAULTS = {
         "device": "auto",  # auto | cpu | cuda
         "dtype": "float32",  # weights' dtype: float32 | bfloat16 | float16
         "threads": 0,  # torch CPU threads; 0 = leave torch's default
-        # The memory plan (memory_plan.py, printed at start; `python train.py CONFIG --plan`).
+        # The memory plan (support/device_memory.py, printed at start; `python train.py CONFIG --plan`).
         "memory_gb": 0.0,  # memory the run may use, GB of 1e9 bytes; 0 = the device's total on CUDA, no limit on CPU
         "max_prompt_tokens": 2048,  # the longest prompt the plan provisions for (longer ones run in smaller sub-batches)
         "prefill_tokens": 8192,  # under a memory limit: tokens one prefill forward may hold (rows x cached + new)
@@ -53,8 +53,8 @@ DEFAULTS = {
         "verifier": {"temperature": 0.0, "max_new_tokens": 1, "stop": []},  # a forced STOP / CONTINUE token
         "generator": {"temperature": 0.0, "max_new_tokens": 32, "stop": ["\n"]},
     },
-    # The tools' own settings: tools.py lists and comments them (DEFAULT_TOOL_CFG) and checks
-    # them (check_toolset), as it does agent.tools.
+    # The tools' own settings: each tool class lists and comments its own (tools.py,
+    # web_tools.py), and tools.check_toolset checks them, as it does agent.tools.
     "tools": {},
     "data": {
         "train": "data/train.jsonl",  # JSONL rows: question, answer, kind (judge), task (optional)

@@ -160,3 +160,24 @@ def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch):
     monkeypatch.setenv("SERPER_API_KEY", "k")
     fails(c, "tools.contact")
     check(cfg("tools.contact=me@example.org", path=paper))
+
+
+def test_a_tool_of_ones_own_is_named_through_tools_modules(tmp_path, monkeypatch):
+    """A module of the user's that defines and registers a tool: listed in tools.modules, its
+    tool can be named in agent.tools and its settings set; a module that cannot be
+    imported is a one-line error."""
+    (tmp_path / "my_tools_for_test.py").write_text(
+        "from tools import Tool, register\n\n"
+        "@register\nclass Echo(Tool):\n    name = 'Echo_Tool'\n    card = 'Says it back.\\nInput: text.'\n"
+        "    settings = {'echo_times': 2}\n\n    def _run(self, command):\n"
+        "        return command * self.cfg['echo_times']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tools
+    monkeypatch.setattr(tools, "TOOL_CLASSES", dict(tools.TOOL_CLASSES))  # the registration ends with the test
+    c = cfg("agent.tools=[Python_Coder, Echo_Tool]", "tools.modules=[web_tools, my_tools_for_test]",
+            "tools.echo_times=3")
+    check(c)
+    assert c["tools"]["echo_times"] == 3 and c["tools"]["python_timeout_s"] == 5.0
+    from tools import build_tools
+    assert build_tools(["Echo_Tool"], c["tools"])["Echo_Tool"].run("ab").output == "ababab"
+    fails(cfg("tools.modules=[no_such_tools_module]"), "tools.modules", "no_such_tools_module")

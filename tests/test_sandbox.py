@@ -37,7 +37,7 @@ import tools  # noqa: E402
 from tools import ToolResult, run_tool_calls  # noqa: E402
 
 AS_ROOT = os.geteuid() == 0
-SANDBOX_UID = tools.DEFAULT_TOOL_CFG["python_sandbox_uid"]
+SANDBOX_UID = tools.PythonCoder.settings["python_sandbox_uid"]
 
 
 # ----------------------------------------------------------------------------- running as root / as a user

@@ -23,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tools  # noqa: E402
+import web_tools  # noqa: E402
 from support import web  # noqa: E402
 from support.text import cut
 from tools import BM25, build_tools, extract_code  # noqa: E402
@@ -106,9 +107,9 @@ def test_local_search_missing_corpus(tmp_path):
 # ----------------------------------------------------------------------------- registry
 
 def test_build_tools_and_cards():
-    assert set(tools.TOOL_CLASSES) == {"Base_Generator", "Python_Coder", "Local_Search",
-                                       "Wikipedia_Search", "Google_Search", "Web_Search"}
     built = build_tools(["Python_Coder", "Local_Search"], {"python_timeout_s": 3})
+    assert {"Base_Generator", "Python_Coder", "Local_Search", "Wikipedia_Search", "Google_Search",
+            "Web_Search"} <= set(tools.TOOL_CLASSES)  # the shipped six, web_tools by default
     assert list(built) == ["Python_Coder", "Local_Search"] and built["Python_Coder"].cfg["python_timeout_s"] == 3
     with pytest.raises(ValueError, match="Python_Coder"):
         build_tools(["Calculator"])
@@ -216,7 +217,7 @@ def other_server(server):
 
 
 def wiki(server, **cfg):
-    return tools.WikipediaSearch({"wikipedia_url": server.url + "/w/api.php", "search_top_k": 2, **cfg})
+    return web_tools.WikipediaSearch({"wikipedia_url": server.url + "/w/api.php", "search_top_k": 2, **cfg})
 
 
 def test_wikipedia_search_and_extracts(server):
@@ -256,7 +257,7 @@ def test_wikipedia_failures(server):
 
 
 def google(server, **cfg):
-    return tools.GoogleSearch({"google_provider": "cse", "google_url": server.url + "/customsearch/v1", **cfg})
+    return web_tools.GoogleSearch({"google_provider": "cse", "google_url": server.url + "/customsearch/v1", **cfg})
 
 
 def test_google_search(server, monkeypatch):
@@ -296,7 +297,7 @@ def test_google_failures(server, monkeypatch):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = tools.GoogleSearch({"google_provider": "cse", "google_url": f"http://127.0.0.1:{port}/customsearch/v1"}).run("x")
+    r = web_tools.GoogleSearch({"google_provider": "cse", "google_url": f"http://127.0.0.1:{port}/customsearch/v1"}).run("x")
     assert r.error == f"request to 127.0.0.1:{port} failed (ConnectionError) (gave up after 4 tries)" and r.infra
     assert "s3cr3t" not in r.error
 
@@ -311,7 +312,7 @@ PAGE = ("<html><head><title>Towers</title><style>.zebra { color: red }</style>"
 
 def test_web_search_ranks_the_relevant_chunk_first(server):
     server.routes["/page"] = lambda p: (200, "text/html; charset=utf-8", PAGE.encode(), 0)
-    tool = tools.WebSearch({"search_top_k": 2, "url_allow": ["127.0.0.1"]})
+    tool = web_tools.WebSearch({"search_top_k": 2, "url_allow": ["127.0.0.1"]})
     r = tool.run(f"Read {server.url}/page. When was the Eiffel Tower completed?")
     assert r.ok and "completed in 1889 for the World's Fair" in r.output.splitlines()[0]
     page_text = web.html_to_text(PAGE)
@@ -320,7 +321,7 @@ def test_web_search_ranks_the_relevant_chunk_first(server):
 
 
 def test_web_search_failures(server):
-    tool = tools.WebSearch({"url_allow": ["127.0.0.1"]})
+    tool = web_tools.WebSearch({"url_allow": ["127.0.0.1"]})
     r = tool.run(f"{server.url}/missing what?")  # a URL the model made up: its doing, asked once
     assert r.error.startswith("HTTP 404 from") and not r.infra and len(server.seen) == 1
     server.routes["/private"] = lambda p: (403, "text/html", b"<h1>Forbidden</h1>", 0)
@@ -357,7 +358,7 @@ def test_internal_addresses_are_refused(address, kind):
 def test_web_search_refuses_internal_urls(server, url):
     server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
     start = time.monotonic()
-    r = tools.WebSearch().run(url.format(port=server.server_address[1]) + " what is the secret?")
+    r = web_tools.WebSearch().run(url.format(port=server.server_address[1]) + " what is the secret?")
     assert r.error.startswith("refused to fetch from ") and "url_allow" in r.error
     assert server.seen == [] and time.monotonic() - start < 1.0  # refused before connecting, not timed out
 
@@ -367,14 +368,14 @@ def test_the_allow_list_lets_hosts_and_networks_in(server):
     port = server.server_address[1]
     for allow in (["127.0.0.1"], ["127.0.0.0/8"], ["localhost"]):
         host = "localhost" if allow == ["localhost"] else "127.0.0.1"
-        r = tools.WebSearch({"url_allow": allow}).run(f"http://{host}:{port}/page what?")
+        r = web_tools.WebSearch({"url_allow": allow}).run(f"http://{host}:{port}/page what?")
         assert r.output == "internal but allowed", allow
-    assert tools.WebSearch({"url_allow": ["localhost"]}).run(f"http://127.0.0.1:{port}/page what?").error
+    assert web_tools.WebSearch({"url_allow": ["localhost"]}).run(f"http://127.0.0.1:{port}/page what?").error
 
 
 def test_redirects_are_checked_at_every_hop(server, other_server):
     """The allowed server (127.0.0.2) redirects; a hop to a refused address is never made."""
-    allowed = tools.WebSearch({"url_allow": ["127.0.0.2/32"]})
+    allowed = web_tools.WebSearch({"url_allow": ["127.0.0.2/32"]})
     other_server.routes["/page"] = lambda p: (200, "text/html", b"<p>the page</p>", 0)
     other_server.routes["/here"] = lambda p: (302, "text/html", b"", 0, {"Location": "/page"})
     assert allowed.run(f"{other_server.url}/here what?").output == "the page"
@@ -402,7 +403,7 @@ def test_dns_rebinding_is_caught_at_connect(server, monkeypatch):
 
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
     server.routes["/page"] = lambda p: (200, "text/html", b"<p>internal secret</p>", 0)
-    r = tools.WebSearch().run(f"http://rebind.test:{server.server_address[1]}/page what?")
+    r = web_tools.WebSearch().run(f"http://rebind.test:{server.server_address[1]}/page what?")
     assert r.error.startswith("refused to fetch from rebind.test: 127.0.0.1 is a loopback address")
     assert server.seen == []
 
@@ -424,7 +425,7 @@ def test_configured_api_endpoints_are_not_guarded(server):
 # ----------------------------------------------------------------------------- retries, infra failures
 
 def serper(server, **cfg):
-    return tools.GoogleSearch({"serper_url": server.url + "/search", **cfg})
+    return web_tools.GoogleSearch({"serper_url": server.url + "/search", **cfg})
 
 
 ORGANIC = {"searchParameters": {"q": "x", "type": "search"}, "organic": [
@@ -540,14 +541,14 @@ def test_serper_failures(server, monkeypatch):
     r = serper(server).run("qwzxv")
     assert r.error == "no Google results for 'qwzxv'" and not r.infra
     with pytest.raises(ValueError, match="google_provider"):
-        tools.GoogleSearch({"google_provider": "bing"})
+        web_tools.GoogleSearch({"google_provider": "bing"})
 
 
 def test_google_provider_decides_the_keys():
-    assert tools.GoogleSearch.required_env({}) == ("SERPER_API_KEY",)
-    assert tools.GoogleSearch.required_env({"google_provider": "cse"}) == ("GOOGLE_API_KEY", "GOOGLE_CSE_ID")
-    assert tools.GoogleSearch.required_env({"serper_key_env": "K2"}) == ("K2",)
-    assert tools.WebSearch.required_env({}) == ()
+    assert web_tools.GoogleSearch.required_env({}) == ("SERPER_API_KEY",)
+    assert web_tools.GoogleSearch.required_env({"google_provider": "cse"}) == ("GOOGLE_API_KEY", "GOOGLE_CSE_ID")
+    assert web_tools.GoogleSearch.required_env({"serper_key_env": "K2"}) == ("K2",)
+    assert web_tools.WebSearch.required_env({}) == ()
 
 
 # ----------------------------------------------------------------------------- the reply cache
@@ -646,7 +647,7 @@ def test_the_contact_goes_to_wikimedia_pages_only(server, monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost,en.wikipedia.org")
     server.routes["/wiki/Hamlet"] = lambda p: (200, "text/html", b"<p>Hamlet is a tragedy.</p>", 0)
-    tool = tools.WebSearch({"url_allow": ["127.0.0.1", "en.wikipedia.org"], "contact": "you@example.org"})
+    tool = web_tools.WebSearch({"url_allow": ["127.0.0.1", "en.wikipedia.org"], "contact": "you@example.org"})
     port = server.server_address[1]
     assert tool.run(f"http://en.wikipedia.org:{port}/wiki/Hamlet what is it?").output == "Hamlet is a tragedy."
     assert tool.run(f"http://127.0.0.1:{port}/wiki/Hamlet what is it?").ok
