@@ -43,6 +43,7 @@ from memory import Memory
 from support import speed
 from support.batching import common_prefix_len, left_padded
 from support.device_memory import sampler_sub_batches
+from support.seeds import derive_seed
 from support.text import cut
 from tools import Tool, run_tool_calls
 
@@ -185,8 +186,9 @@ class LLM:
             tok, lp = pick(logits, params.temperature_at(step), gen, self.draw)  # [b], [b]
             drawn[live, step], drawn_lp[live, step] = tok, lp
             if step + 1 - looked == self.check_every or step == M - 1:
-                keep = self._look(live, drawn[live, looked:step + 1].tolist(), drawn_lp[live, looked:step + 1].tolist(),
-                                  new_ids, new_lp, finish, stops, eos)
+                keep = self._end_finished_rows(live, drawn[live, looked:step + 1].tolist(),
+                                               drawn_lp[live, looked:step + 1].tolist(), new_ids, new_lp, finish,
+                                               stops, eos)
                 looked = step + 1
                 if not keep or step == M - 1:
                     break
@@ -201,8 +203,8 @@ class LLM:
         return [Sample(ids=new_ids[i], logprobs=new_lp[i], text=self._text(new_ids[i], stops[i]),
                        finish=finish[i]) for i in range(n)]
 
-    def _look(self, live: torch.Tensor, ids: list[list[int]], lps: list[list[float]], new_ids, new_lp, finish,
-              stops, eos: set[int]) -> list[int]:
+    def _end_finished_rows(self, live: torch.Tensor, ids: list[list[int]], lps: list[list[float]], new_ids, new_lp,
+                           finish, stops, eos: set[int]) -> list[int]:
         """Append each live row's tokens since the last look, up to the one that finishes it
         (EOS, or the token that completes a stop string); return the live rows that go on."""
         keep = []
@@ -434,7 +436,7 @@ class Trajectory:
 
 @dataclass
 class AgentConfig:
-    """The config's `agent` section as the agent reads it (config.py holds every key's
+    """The config's `agent` section as the agent reads it (support/config.py holds every key's
     default and comment: the one home of those facts)."""
     max_turns: int  # T_max
     constrain_tool: bool  # the planner's first token must begin a tool name
@@ -529,13 +531,12 @@ class AgentSystem:
             live = [tr for tr in trajs if not tr.done]
             if not live:
                 break
-            s = seed * 1000 + turn * 10  # distinct, reproducible streams per module and turn
 
             # Planner: a^t ~ pi_theta(. | q, K, M^t), one batched call over live trajectories.
             prompts = [self.planner_prompt(tr.query, tr.memory, turn, T_max) for tr in live]
             params = (self.forced_params[min(turn, len(self.forced_params)) - 1] if self.forced_params
                       else self.planner_params)
-            samples = self.planner.sample(prompts, params, seed=s)
+            samples = self.planner.sample(prompts, params, seed=derive_seed("turn", seed, turn, 0))
             plans = []
             for tr, p, smp in zip(live, prompts, samples):
                 tr.turns.append(PlannerTurn(p, smp.ids, smp.logprobs, smp.text))
@@ -546,7 +547,7 @@ class AgentSystem:
 
             # Executor: the frozen LLM turns each valid plan into a concrete command.
             valid = [i for i, pl in enumerate(plans) if pl.tool]
-            commands = self._execute(live, plans, valid, turn, s + 1)
+            commands = self._execute(live, plans, valid, turn, derive_seed("turn", seed, turn, 1))
 
             # Tools, concurrently: e^t = E(a^t).
             results = run_tool_calls([(self.tools[plans[i].tool], commands[i]) for i in valid])
@@ -561,7 +562,7 @@ class AgentSystem:
             # Verifier: v^t = V(q, e^t, M^t), one batched call per kind of question; the last
             # turn needs none.
             if turn < T_max:
-                for tr, stop in zip(live, self._verify(live, s + 2)):
+                for tr, stop in zip(live, self._verify(live, derive_seed("turn", seed, turn, 2))):
                     tr.memory.records[-1].verdict = "stop" if stop else "continue"
                     tr.log.append({"module": "verifier", "turn": turn, "output": "STOP" if stop else "CONTINUE"})
                     tr.done = stop
@@ -572,7 +573,7 @@ class AgentSystem:
         # Generator: o = G(q, M^T), one batched call.
         gprompts = [self.frozen.chat_ids(GENERATOR_SYSTEM, GENERATOR_USER.format(
             query=tr.query, memory=tr.memory.render()), "Answer:") for tr in trajs]
-        for tr, smp in zip(trajs, self.frozen.sample(gprompts, self.cfg.generator, seed * 1000 + 999)):
+        for tr, smp in zip(trajs, self.frozen.sample(gprompts, self.cfg.generator, derive_seed("generator", seed))):
             tr.answer = smp.text.strip()
             tr.log.append({"module": "generator", "output": tr.answer})
         return trajs
@@ -580,9 +581,9 @@ class AgentSystem:
     def planner_prompt(self, query: str, memory: Memory, turn: int, max_turns: int) -> list[int]:
         """The planner's state (q, K, M^t) as token ids, ending where its action begins."""
         return self.planner.chat_ids(self.planner_system, PLANNER_USER.format(
-            query=query, found=self._found(memory), turn=turn, max_turns=max_turns), "Tool:")
+            query=query, found=self.planner_view(memory), turn=turn, max_turns=max_turns), "Tool:")
 
-    def _found(self, memory: Memory) -> str:
+    def planner_view(self, memory: Memory) -> str:
         """The planner's view of M^t: one line per turn, what it did and what came back, and
         after a turn the verifier continued, a line with what it found still open (v^t)."""
         lines = []

@@ -23,9 +23,9 @@ Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, tu
 tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
 id is already in results.jsonl are skipped, so an interrupted evaluation loses nothing.
 
-Under torchrun (ranks.py) the batches are dealt to the ranks in turn, each batch exactly
-the one a single process would run, with the same seed; rank 0 gathers every round's rows
-and writes them in item order. So K ranks write the rows one process writes (the same
+Under torchrun (support/ranks.py) the batches are dealt to the ranks in turn, each batch
+exactly the one a single process would run, with the same seed; rank 0 gathers every
+round's rows and writes them in item order. So K ranks write the rows one process writes (the same
 rows, when the ranks compute as that process does: same weights, threads and kernels),
 and an interrupted evaluation resumes under any number of ranks.
 """
@@ -41,12 +41,14 @@ import torch
 from tqdm import tqdm
 
 from agentflow import LLM, AgentSystem, agent_config
-from judge import Judge, judge_counts
+from judge import Judge
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.datasets import Item, load_benchmark, read_jsonl
 from support.models import load_model
+from support.run_log import judge_counts
 from support.sandbox import SandboxError
+from support.seeds import derive_seed
 from support.text import plan_of
 from tools import build_tools, check_toolset
 
@@ -75,7 +77,7 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
     with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item", disable=not world.main) as bar:
         for first in range(0, len(batches), world.size):  # a round: batch first + r on rank r
             b = first + world.rank
-            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, seed + batches[b][0][0],
+            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, derive_seed("eval_batch", seed, batches[b][0][0]),
                                judge or Judge()) if b < len(batches) else [])
             rounds = world.gather(rows)  # in rank order: the round's batches in item order
             if world.main:

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
-from support import ranks
-from support import optim
-from support import speed
 from agentflow import SamplingParams
+from support import speed
+from support.batching import left_padded
+from support.ranks import SINGLE
 
 
 @dataclass
@@ -66,10 +66,38 @@ class TurnRow:
 
 @dataclass(frozen=True)
 class LossConfig:
+    """The constants of J (train.* in the config)."""
     eps_low: float  # clip range 1 - eps_low
     eps_high: float  # clip range 1 + eps_high
     beta: float  # KL coefficient
     kl_estimator: str = "k3"  # k3 (the paper's) | k2: see token_kl
+
+    @classmethod
+    def from_train(cls, t: dict) -> "LossConfig":
+        return cls(t["eps_low"], t["eps_high"], t["beta"], t["kl_estimator"])
+
+
+# Action positions per chunk of the fast path's log-probs: the [chunk, V] float32 logits of
+# one chunk are the largest tensor the loss makes (config train.logits_chunk).
+LOGITS_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How one rollout batch becomes optimizer steps (train.* in the config). Only epochs
+    and minibatches change what is computed; the rest trade memory for speed."""
+    epochs: int = 1  # PPO epochs over the batch
+    minibatches: int = 1  # optimizer steps per epoch
+    max_grad_norm: float = 1.0
+    micro_batch: int = 16  # rows per forward and backward
+    max_tokens: int = 0  # rows x longest sequence per forward (the memory plan's; 0 = no cap)
+    chunk: int = LOGITS_CHUNK  # action positions whose logits exist at once (the fast path)
+    fast: bool = True  # the speed work's log-probs (support/speed.py) or the plain path here
+
+    @classmethod
+    def from_train(cls, t: dict, max_tokens: int = 0) -> "UpdateConfig":
+        return cls(t["epochs"], t["minibatches"], t["max_grad_norm"], t["micro_batch"], max_tokens,
+                   t["logits_chunk"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -100,12 +128,6 @@ def group_advantages(rewards: list[float], group_size: int, n_turns: list[int] |
     return adv.view(-1).tolist()
 
 
-def zero_variance_groups(rewards: list[float], group_size: int) -> int:
-    """How many groups got the same reward in every rollout (advantage 0: no signal)."""
-    R = torch.tensor(rewards).view(-1, group_size)  # [Q, G]
-    return int((R.max(1).values == R.min(1).values).sum())
-
-
 def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
     """Broadcast each trajectory's advantage to all its planner turns (A_i^t = A_i).
 
@@ -124,13 +146,46 @@ def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
     return rows
 
 
+def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
+    """The trajectory indices of each group an update may use: its usable rollouts, if at
+    least 2 (copies of a query are consecutive, G to a group)."""
+    groups = [[k for k in range(q, q + G) if usable[k]] for q in range(0, len(usable), G)]
+    return [g for g in groups if len(g) >= 2]
+
+
+def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_groups: int | None = None):
+    """(rows, groups): the training rows of what an update may use, and the trajectory
+    indices of each group kept; sets each trajectory's advantage (None if left out).
+    Copies of a query are consecutive, G to a group.
+
+    A trajectory that is not usable (an infrastructure failure) is left out, and its group's
+    advantages are normalised over the rollouts that remain: those are still independent
+    samples of pi_theta on that query, so A_i = (R_i - mean) / (std + eps) over them is the
+    paper's advantage for a group of that size. A group left with fewer than 2 is dropped
+    whole: one rollout alone has A = R - mean = 0 and would bring only its KL term, on a
+    query the others no longer weigh. J's averages then run over what remains: the row
+    weight is 1 / (Q' * G_q * T_i), for Q' groups kept and G_q rollouts kept in group q
+    (the 1/G average within each query, then the mean over queries), which is build_rows'
+    1 / (N * T_i) exactly when nothing is left out. n_groups: Q' when `trajs` are one
+    rank's share of the step (the groups kept on all ranks); by default the groups here."""
+    groups = kept_groups(usable, G)
+    Q_kept = len(groups) if n_groups is None else n_groups
+    for tr in trajs:
+        tr.advantage = None  # what is left out has none
+    rows = []
+    for g in groups:
+        adv = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
+        for k, a in zip(g, adv):
+            trajs[k].advantage = a
+            turn_rows = build_rows([trajs[k]], [a])  # its T_i planner turns, A_i broadcast to each
+            for row in turn_rows:
+                row.weight = 1.0 / (Q_kept * len(g) * len(turn_rows))
+            rows += turn_rows
+    return rows, groups
+
+
 # ----------------------------------------------------------------------------------------
 # Per-token log-probs of the sampled actions under the current weights
-
-# Action positions per chunk of the fast path's log-probs: the [chunk, V] float32 logits of
-# one chunk are the largest tensor the loss makes (config train.logits_chunk).
-LOGITS_CHUNK = 1024
-
 
 def action_logits(model, rows: list[TurnRow], pad_id: int) -> torch.Tensor:
     """The logits that predicted each action token: [n, La, V] for n rows and La the
@@ -143,7 +198,7 @@ def action_logits(model, rows: list[TurnRow], pad_id: int) -> torch.Tensor:
     dev = next(model.parameters()).device
     seqs = [r.prompt_ids + r.action_ids for r in rows]
     La = max(len(r.action_ids) for r in rows)
-    ids, mask = speed.left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
+    ids, mask = left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, S] each token's position in its own sequence
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=La + 1).logits
     return logits[:, :-1, :]  # [n, La, V]
@@ -160,12 +215,10 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     Returns (logp [n, La], entropy [n, La] of that distribution, no gradient, mask [n, La]:
     1 on action tokens), laid out as in action_logits.
 
-    Plain (fast=False): the [n, La, V] logits of action_logits, then log_softmax.
-    fast=True computes the same numbers without ever holding [n, La, V]: the hidden states
-    at action positions come from speed.prefill (text the rows share runs once: the
-    module's instructions for all rows, the whole prompt for the G actions sampled from
-    it), and speed.chunked_logprobs runs the output layer over `chunk` positions at a
-    time, recomputing each chunk's logits in the backward pass."""
+    The plain path (fast=False) is written out below: the [n, La, V] logits of
+    action_logits, then log_softmax. fast=True gets the same numbers from the speed work
+    (support/speed.py) without ever holding [n, La, V]: text the rows share runs once,
+    and the output layer runs `chunk` positions at a time."""
     dev = next(model.parameters()).device
     n, La = len(rows), max(len(r.action_ids) for r in rows)
     mask = torch.zeros((n, La), dtype=torch.float32, device=dev)  # [n, La]
@@ -177,27 +230,17 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     first = bool(sampling.first_tokens) or sampling.first_temperature > 0  # token 0 has its own distribution
     r = torch.arange(n, device=dev)  # [n]
     c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
-    if fast:
-        seqs = [row.prompt_ids + row.action_ids for row in rows]
-        h, _ = speed.prefill(model, seqs, pad_id, None, La + 1, [len(row.prompt_ids) - 1 for row in rows],
-                                hidden=True)
-        h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
-        scored = mask.bool()  # [n, La] positions scored at temperature T
-        if first:
-            scored[r, c] = False  # token 0 is scored below, on its own
-        at = scored.nonzero(as_tuple=True)
-        head = model.get_output_embeddings()
-        lp, ent = speed.chunked_logprobs(h[at], head.weight, head.bias, targets[at], T, chunk)  # [M] each
-        logp = torch.zeros((n, La), device=dev).index_put(at, lp)  # [n, La]
-        entropy = torch.zeros((n, La), device=dev).index_put(at, ent)
-        z0 = head(h[r, c]).float() if first else None  # [n, V] token 0's logits
+    if fast:  # token 0 is left at 0 there when `first`: it is scored below
+        logp, entropy, z0 = speed.action_logprobs(model, [row.prompt_ids + row.action_ids for row in rows],
+                                                  [len(row.prompt_ids) for row in rows], pad_id, targets, mask,
+                                                  T, chunk, first_cols=c if first else None)
     else:
         logits = action_logits(model, rows, pad_id).float()  # [n, La, V]
         logp_all = torch.log_softmax(logits / T, dim=-1)  # [n, La, V]
         logp = logp_all.gather(-1, targets[..., None])[..., 0]  # [n, La]
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, La]
-        z0 = logits[r, c] if first else None  # [n, V]
+        z0 = logits[r, c] if first else None  # [n, V] the logits of each action's token 0
     if first:
         # Token 0 of each action: its own temperature and the tool restriction.
         z0 = z0 / sampling.temperature_at(0)  # [n, V] logits / T_0
@@ -258,7 +301,7 @@ def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, estimator: str) -> torc
     for k2 too (|gradient| <= 20 per token)."""
     if estimator == "k3":
         return k3_kl(ref_logp, logp)
-    if estimator != "k2":  # config.py checks train.kl_estimator; this guards a LossConfig built by hand
+    if estimator != "k2":  # support/config.py checks train.kl_estimator; this guards a LossConfig built by hand
         raise ValueError(f"kl_estimator must be 'k3' or 'k2', not {estimator!r}")
     d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
     return 0.5 * d * d
@@ -401,7 +444,6 @@ def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: i
     micro_batches(rows, ...): the caller passes the rows in the order and grouping its
     first gradient pass will use, so that pass computes these very numbers again and its
     rho is exactly 1. Also the sampler gap (max, sum) of these rows."""
-    dev = next(model.parameters()).device
     old, gap = [None] * len(rows), [0.0, 0.0]
     for idx in micro_batches(rows, micro_batch, max_tokens):
         part = [rows[i] for i in idx]
@@ -413,72 +455,66 @@ def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: i
     return old, {"gap_max": gap[0], "gap_sum": gap[1]}
 
 
-def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams,
-                  loss_cfg: LossConfig, pad_id: int, *, epochs: int = 1, minibatches: int = 1,
-                  max_grad_norm: float = 1.0, seed: int = 0, scheduler=None, masters=None, world=ranks.SINGLE,
-                  **kw) -> dict:
-    """`epochs` passes over one rollout batch, each split into `minibatches` optimizer
-    steps (PPO style). With epochs = minibatches = 1 this is a single REINFORCE-like step
-    (rho = 1, see flow_grpo_loss). A mini-batch's loss is scaled by `minibatches` so that
-    every mini-batch estimates the same J as the whole batch (weights are batch-global).
-    `sampling` is the planner's SamplingParams, the very object the sampler drew with.
-    masters: optim.MasterWeights when the weights are bf16 (the optimizer steps fp32
-    copies, which are then rounded into the weights). kw: micro_batch, max_tokens, fast,
-    chunk (accumulate_gradients).
+# The statistics of a step that takes no update (no group kept two rollouts on any rank).
+NO_UPDATE = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None, "logprob_gap": None,
+             "planner_tokens": 0, "optimizer_steps": 0}
 
-    world (ranks.World): with several ranks, `rows` are this rank's, with weights over the
-    whole step's batch; every rank calls this, even with no rows. The rows are numbered
-    across ranks (rank 0's first) and mini-batch mb is drawn over that numbering, so it
-    holds the rows one process would give it; each optimizer step sums the ranks'
-    gradients first (optim.step), and the returned statistics are the whole batch's."""
-    gen = torch.Generator().manual_seed(seed)
-    offset, total = world.offset(len(rows))  # (0, len(rows)) in one process
-    draw_order = lambda: torch.randperm(total, generator=gen).tolist() if minibatches > 1 else list(range(total))
-    local = lambda order, mb: [i - offset for i in order[mb::minibatches] if offset <= i < offset + len(rows)]
-    all_reduce = world.sum_grads if world.size > 1 else None
-    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "n_tokens": 0.0, "entropy": 0.0,
-              "grad_norm": 0.0}
-    order = draw_order()
+
+def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams, loss_cfg: LossConfig,
+                  update: UpdateConfig, pad_id: int, seed: int = 0, world=SINGLE) -> dict:
+    """`update.epochs` passes over one rollout batch, each split into `update.minibatches`
+    optimizer steps (PPO style). With one of each this is a single REINFORCE-like step
+    (rho = 1, see flow_grpo_loss). A mini-batch's loss is scaled by the number of
+    mini-batches so that every mini-batch estimates the same J as the whole batch (the
+    row weights are batch-global). `sampling` is the planner's SamplingParams, the very
+    object the sampler drew with; `optimizer` a support.optim.PlannerOptimizer.
+
+    world (support.ranks.World): with several ranks, `rows` are this rank's, weighted over
+    the whole step's batch; every rank calls this, even with no rows. Mini-batches are
+    dealt over all ranks' rows as one process would deal them (World.minibatches), each
+    optimizer step sums the ranks' gradients first, and the statistics returned are the
+    whole batch's."""
+    if not sum(world.all_gather(len(rows))):
+        return dict(NO_UPDATE)
+    E, K = update.epochs, update.minibatches
+    batching = {"micro_batch": update.micro_batch, "max_tokens": update.max_tokens, "fast": update.fast,
+                "chunk": update.chunk}
+    gen = torch.Generator().manual_seed(seed)  # the mini-batch order: the same on every rank
+    split = world.minibatches(len(rows), K, gen)  # this rank's rows of each mini-batch of the first epoch
     old, gap = None, None
-    if epochs * minibatches > 1:
+    if E * K > 1:
         # pi_old of every row before any step, in the micro-batches of the first epoch.
         old = [None] * len(rows)
         gap = {"gap_max": 0.0, "gap_sum": 0.0}
-        for mb in range(minibatches):
-            idx = local(order, mb)
-            lps, g = old_logprobs(model, [rows[i] for i in idx], sampling, pad_id,
-                                  **{k: v for k, v in kw.items() if k in ("micro_batch", "max_tokens", "fast", "chunk")})
+        for idx in split:
+            lps, g = old_logprobs(model, [rows[i] for i in idx], sampling, pad_id, **batching)
             for i, lp in zip(idx, lps):
                 old[i] = lp
             gap = {"gap_max": max(gap["gap_max"], g["gap_max"]), "gap_sum": gap["gap_sum"] + g["gap_sum"]}
-    ratio_dev_first = 0.0
-    for epoch in range(epochs):
+    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "n_tokens": 0.0, "entropy": 0.0}
+    grad_norm, ratio_dev_first = 0.0, 0.0
+    for epoch in range(E):
         if epoch:
-            order = draw_order()
-        for mb in range(minibatches):
-            idx = local(order, mb)
+            split = world.minibatches(len(rows), K, gen)
+        for mb, idx in enumerate(split):
             st = accumulate_gradients(model, ref_model, [rows[i] for i in idx], sampling, loss_cfg, pad_id,
-                                      scale=minibatches, old=None if old is None else [old[i] for i in idx], **kw)
+                                      scale=K, old=None if old is None else [old[i] for i in idx], **batching)
             if epoch == 0 and mb == 0:
                 ratio_dev_first = st["ratio_dev"]  # 0: the first step is exactly on-policy
                 gap = gap or {k: st[k] for k in ("gap_max", "gap_sum")}  # one update: measured in this pass
-            totals["grad_norm"] += optim.step(optimizer, masters, scheduler, max_grad_norm, all_reduce)
-            for key in ("loss", "kl", "clip_frac", "kl_clamped", "n_tokens", "entropy"):
+            grad_norm += optimizer.step(update.max_grad_norm, world.sum_grads if world.size > 1 else None)
+            for key in totals:
                 totals[key] += st[key]
-    if world.size > 1:  # the whole batch's figures: sums add up over ranks, maxima take the max
-        summed = ("loss", "kl", "clip_frac", "kl_clamped", "n_tokens", "entropy")  # grad_norm is global already
-        parts = world.all_gather(([totals[k] for k in summed], gap["gap_sum"], gap["gap_max"], ratio_dev_first))
-        for j, key in enumerate(summed):
-            totals[key] = sum(p[0][j] for p in parts)
-        gap = {"gap_sum": sum(p[1] for p in parts), "gap_max": max(p[2] for p in parts)}
-        ratio_dev_first = max(p[3] for p in parts)
-    n_steps, n_tok = epochs * minibatches, max(totals["n_tokens"], 1.0)
+    # The whole batch's figures (grad_norm is already: the gradients were summed over ranks).
+    totals, peaks = world.merge({**totals, "gap_sum": gap["gap_sum"]},
+                                {"gap_max": gap["gap_max"], "ratio_dev": ratio_dev_first})
+    n_steps, n_tok = E * K, max(totals["n_tokens"], 1.0)
     return {"loss": totals["loss"] / n_steps, "kl": totals["kl"] / n_steps,
             "clip_frac": totals["clip_frac"] / n_tok, "kl_clamped": totals["kl_clamped"] / n_tok,
-            "entropy": totals["entropy"] / n_tok, "grad_norm": totals["grad_norm"] / n_steps,
-            "logprob_gap": gap["gap_max"], "logprob_gap_mean": gap["gap_sum"] / max(n_tok / epochs, 1.0),
-            "ratio_dev_first_step": ratio_dev_first,
-            "planner_tokens": int(n_tok / epochs), "optimizer_steps": n_steps}
+            "entropy": totals["entropy"] / n_tok, "grad_norm": grad_norm / n_steps,
+            "logprob_gap": peaks["gap_max"], "logprob_gap_mean": totals["gap_sum"] / max(n_tok / E, 1.0),
+            "ratio_dev_first_step": peaks["ratio_dev"],
+            "planner_tokens": int(n_tok / E), "optimizer_steps": n_steps}
 
 
 def _pad_left(values: list, width: int, dev) -> torch.Tensor:

@@ -305,14 +305,6 @@ class Judge:
         return out
 
 
-def judge_counts(verdicts: list[dict]) -> dict:
-    """How many verdicts each judge decided, and how many LLM calls gave no verdict
-    (for metrics.jsonl and summary.json)."""
-    return {"rule": sum(v.get("judge", "rule") == "rule" for v in verdicts),
-            "llm": sum(v.get("judge") == "llm" for v in verdicts),
-            "llm_failed": sum(bool(v.get("judge_error")) for v in verdicts)}
-
-
 def engine_generate(llm, batch_size: int = 32):
     """generate(prompts) -> replies with the project's own engine (an agentflow.LLM),
     greedy. The verdict is one forced token, as the verifier's is: the likelier of the

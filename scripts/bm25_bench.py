@@ -1,8 +1,8 @@
 """The local retriever's cost, measured side by side: build and query time of our on-disk
-BM25 index (retriever.py) and, where it is installed, of the bm25s library, on a
+BM25 index (support/bm25.py) and, where it is installed, of the bm25s library, on a
 generated corpus shaped like a Wikipedia passage dump.
 
-    python bench_retriever.py [--passages 1000000] [--queries 200] [--dir DIR]
+    python -m scripts.bm25_bench [--passages 1000000] [--queries 200] [--dir DIR]
 
 Passages are 100 words drawn from a Zipf law over a large vocabulary (as word
 frequencies in text are), titles 2-3 rarer words; queries are 4 words picked from one

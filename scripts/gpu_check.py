@@ -1,7 +1,7 @@
 """GPU check: the engine against its references, its speed and its memory plan, in one run.
 
-    python gpu_check.py                  # on CUDA: a few minutes on one large GPU
-    python gpu_check.py --device cpu     # the same checks at toy sizes, in seconds (tests/test_gpu_check.py)
+    python -m scripts.gpu_check                  # on CUDA: a few minutes on one large GPU
+    python -m scripts.gpu_check --device cpu     # the same checks at toy sizes, in seconds (tests/test_gpu_check.py)
 
 Not part of the paper: what a machine with a GPU must confirm before
 configs/qwen2.5-7b-1gpu.yaml is trusted there, since the tests run on CPUs. It builds a
@@ -17,7 +17,7 @@ embeddings) from a config with random weights (the GPU machine has no internet),
      exactly on the first step of flow_grpo.policy_update;
   3. speed: sampler vs model.generate, tokens per second, greedy, the same prompts;
   4. memory: the peak of torch.cuda.max_memory_allocated during a rollout-sized sampler
-     call and during an update, against what device_memory.py predicts for them.
+     call and during an update, against what support/device_memory.py predicts for them.
 
 Prints one `name: value` line per figure; exits 1 if a check fails.
 """
@@ -32,7 +32,7 @@ import torch
 from support import device_memory
 from support import optim
 from agentflow import LLM, PlannerTurn, SamplingParams, Trajectory
-from flow_grpo import LossConfig, accumulate_gradients, build_rows, policy_update, reference_objective
+from flow_grpo import LossConfig, UpdateConfig, accumulate_gradients, build_rows, policy_update, reference_objective
 from memory import Memory
 
 # Sizes per device: the model and the work. On CUDA the model has Qwen2.5's head layout at
@@ -175,13 +175,14 @@ def check_loss(r: Report, z: dict, dev: str) -> None:
         r.figure(f"loss_bf16_{way}_loss_rel_err", abs(st["loss"] + J.item()) / max(abs(J.item()), 1e-12))
     m16.zero_grad(set_to_none=True)
     for epochs, minibatches in ((1, 1), (2, 2)):
-        opt, masters = optim.make_optimizer(list(m16.parameters()), 1e-6)
-        out = policy_update(m16, ref16, opt, rows, sampling, cfg, llm.pad_id, epochs=epochs, minibatches=minibatches,
-                            masters=masters, micro_batch=z["micro_batch"])
+        opt = optim.PlannerOptimizer(list(m16.parameters()), 1e-6)
+        out = policy_update(m16, ref16, opt, rows, sampling, cfg,
+                            UpdateConfig(epochs=epochs, minibatches=minibatches, micro_batch=z["micro_batch"]),
+                            llm.pad_id)
         r.check(f"on_policy_ratio_dev_first_step_{epochs}x{minibatches}", out["ratio_dev_first_step"] == 0.0,
                 out["ratio_dev_first_step"])
         r.figure(f"on_policy_logprob_gap_sampler_vs_trainer_{epochs}x{minibatches}", out["logprob_gap"])
-        masters.remove()
+        opt.masters.remove()
 
 
 def check_speed(r: Report, z: dict, dev: str) -> None:
@@ -247,7 +248,7 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     train_layers = max(1, z["layers"] // 2)
     trained = optim.select_trainable(model, train_layers)
     ref = optim.frozen_reference(model, trained)
-    opt, masters = optim.make_optimizer(trained, 1e-6)
+    opt = optim.PlannerOptimizer(trained, 1e-6)
     prompts = make_prompts(z, z["rows"], seed=4)
     budget = mem.total()
     shape = device_memory.model_shape(model.config, train_layers, name="gpu_check model")
@@ -268,8 +269,8 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
         tr.turns.append(PlannerTurn(p, s.ids, s.logprobs, ""))
     rows = build_rows(trajs, [float(k % 2) - 0.5 for k in range(len(trajs))])[:4 * z["micro_batch"]]
     update = lambda: policy_update(model, ref, opt, rows, SamplingParams(1.0, z["new"]), LossConfig(0.2, 0.3, 0.001),
-                                   llm.pad_id, masters=masters, micro_batch=z["micro_batch"],
-                                   max_tokens=plan.update_tokens)
+                                   UpdateConfig(micro_batch=z["micro_batch"], max_tokens=plan.update_tokens),
+                                   llm.pad_id)
     update()
     mem.sync()
     resident = mem.now()

@@ -39,7 +39,7 @@ Numbers are written without thousands separators ("12408", not "12,408"): the
 executor copies a looked-up number into code, and in Python `12,408 * 7` is a
 tuple, not 86856.
 
-Run `python tasks.py [--out data] [--seed 0]` to regenerate the data files.
+Run `python -m scripts.make_tasks [--out data] [--seed 0]` to regenerate the data files.
 """
 
 import argparse
@@ -132,9 +132,10 @@ ENTITY_TYPES = {
 TYPE_ORDER = list(ENTITY_TYPES)  # fixed order: dicts keep insertion order
 
 # Arithmetic: the expression is written in Python syntax inside the question, so
-# a small executor model only has to copy it into print(...). The two shapes
-# follow the brief: a 4-5 digit times a 3-4 digit number, or three 5-6 digit
-# numbers added up. Wordings never mention an entity, so the kind is visible.
+# a small executor model only has to copy it into print(...). Two shapes, both
+# beyond a 135M model's mental arithmetic: a 4-5 digit times a 3-4 digit number, or
+# three 5-6 digit numbers added up. Wordings never mention an entity, so the kind is
+# visible.
 ARITH_TEMPLATES = ["Compute {e}.", "What is {e}?", "Calculate {e}.", "Evaluate {e}."]
 
 # two_step: a looked-up quantity times a small factor. The factor is written as
@@ -158,8 +159,8 @@ OTHER_TWO_STEP_WORDINGS = ["Take {q} and multiply it by {k}.",
                            "Find {q}, then multiply it by {k}.",
                            "{Q} times {k} equals what?"]
 
-# Split sizes. Heldout is fixed by the brief (40/40/16); train keeps about the
-# same mix at four times the size.
+# Split sizes: heldout asks 96 questions (40 arithmetic, 40 lookup, 16 two_step);
+# train keeps about the same mix at four times the size.
 TRAIN_COUNTS = {"arithmetic": 160, "lookup": 160, "two_step": 80}
 HELDOUT_COUNTS = {"arithmetic": 40, "lookup": 40, "two_step": 16}
 TRAIN_ENTITIES_PER_TYPE = 20   # 120 entities asked about in train

@@ -1,9 +1,9 @@
 """The paper's data, downloaded from the Hugging Face hub and converted to ours.
 
-    python prepare_data.py train [--out data/nq_deepmath] [--heldout 200] [--limit N]
-    python prepare_data.py gaia  [--out data/benchmarks] [--with-files]
-    python prepare_data.py gpqa  [--out data/benchmarks] [--subset diamond]
-    python prepare_data.py all
+    python -m scripts.prepare_data train [--out data/nq_deepmath] [--heldout 200] [--limit N]
+    python -m scripts.prepare_data gaia  [--out data/benchmarks] [--with-files]
+    python -m scripts.prepare_data gpqa  [--out data/benchmarks] [--subset diamond]
+    python -m scripts.prepare_data all
     common: --dry-run  (download nothing, write nothing: show the plan, and the rows
                         for sources already on disk)
             --from DIR (read local copies instead of the hub, laid out as
@@ -47,7 +47,7 @@ preparation and the datasets' cards:
          evaluation file has 300 questions whose subset we could not establish;
          diamond (198) is the standard one.
 
-Every output loads with benchmarks.load_benchmark (the explicit kind wins over
+Every output loads with support.datasets.load_benchmark (the explicit kind wins over
 inference). Simplified against the official scripts: no parquet output, no "chain"
 or "extra_info" columns, aliases kept as a list (the official mix joins them into one
 "a; b" string, which no answer can equal).
@@ -182,7 +182,7 @@ def _match(folder: Path, patterns) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------
-# Readers: JSONL (benchmarks.read_jsonl), parquet (pyarrow, imported only here), CSV.
+# Readers: JSONL (support.datasets.read_jsonl), parquet (pyarrow, imported only here), CSV.
 
 def read_parquet(path: Path, columns: list[str] | None = None) -> list[dict]:
     try:

@@ -1,12 +1,12 @@
 """Benchmark of the engine: how fast the hand-written sampler makes rollouts, and why.
 
-    python bench.py                                  # the full run
-    python bench.py --quick                          # sequential rollouts on 8, not 32
-    python bench.py --device cuda --dtype bfloat16   # the same code on a GPU
-    python bench.py --threads 1                      # when another job shares the CPU
+    python -m scripts.speed_bench                                  # the full run
+    python -m scripts.speed_bench --quick                          # sequential rollouts on 8, not 32
+    python -m scripts.speed_bench --device cuda --dtype bfloat16   # the same code on a GPU
+    python -m scripts.speed_bench --threads 1                      # when another job shares the CPU
 
-On-policy RL spends most of its time generating (DESIGN.md, "Measured on this kind of
-machine"), so the engine's speed decides how many Flow-GRPO steps a run gets. Measured
+On-policy RL spends most of its time generating, so the engine's speed decides how many
+Flow-GRPO steps a run gets. Measured
 side by side in one run, on the default model (SmolLM2-135M), each figure as `name: value`:
 
   1. sampler vs `model.generate`: new tokens/s at batch 1, 8, 32, 64, exactly 64 new
@@ -19,8 +19,8 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      on this machine (b32); the whole plain path of agentflow.py (b32); the prompts
      prefilled as one left-padded batch instead of in groups of similar length (b32,
      prefill only); torch.multinomial instead of the inverse-CDF speed.draw (b64);
-     every row running its whole prompt instead of families sharing their system
-     prompt (b64); each new position concatenated onto the cache, as Hugging Face's
+     every row running its whole prompt instead of shared-text groups running their
+     common system prompt once (b64); each new position concatenated onto the cache, as Hugging Face's
      DynamicLayer does, instead of written in place (b64). Each swap is timed in
      turns with the sampler as shipped, the fastest of three calls each.
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
@@ -67,7 +67,7 @@ BATCHES = (1, 8, 32, 64)
 # Chat prompts of different lengths for the throughput comparison. The system prompts
 # begin differently, so the sampler finds no prefix shared by all rows: this part
 # measures the decode loop, not prefix reuse (part 2 does that). Rows with the same
-# system prompt do share its ~17 tokens, which the sampler runs once per family.
+# system prompt do share its ~17 tokens, which the sampler runs once per shared-text group.
 SYSTEMS = [
     "You are a helpful assistant.",
     "Answer in one short sentence.",
@@ -89,9 +89,8 @@ def header(args) -> None:
 
 
 def clock(device: str, fn, repeat: int = 1) -> float:
-    """Seconds one call of fn takes, the fastest of `repeat` calls (on this VM a single
-    call can run 10-20% slow for no reason of its own); on a GPU, queued kernels are
-    waited for."""
+    """Seconds one call of fn takes, the fastest of `repeat` calls (a busy machine slows
+    single calls, never speeds them up); on a GPU, queued kernels are waited for."""
     times = []
     for _ in range(repeat):
         if device == "cuda":
@@ -127,10 +126,11 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW)
     prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)])
                for i in range(max(BATCHES))]
-    fams = speed.shared_families(prompts, [len(p) - 1 for p in prompts], 0)
+    groups = speed.shared_text_groups(prompts, [len(p) - 1 for p in prompts], 0)
     print(f"# throughput prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"shared prefix {speed.common_prefix_len(prompts)} tokens (< {speed.MIN_SHARED}: not "
-          f"reused); at b64 {len(fams)} families (one per system prompt) share {[q for _, q in fams]} tokens")
+          f"reused); at b64 {len(groups)} shared-text groups (one per system prompt) share "
+          f"{[n for _, n in groups]} tokens")
     # Warm up each path once (allocator, kernels, lazy init) on a small batch.
     no_eos.sample(prompts[:4], replace_new(params, 8))
     generate(llm, prompts[:4], 8)
@@ -173,13 +173,14 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     # inverse-CDF speed.draw (one uniform per row). b64.
     swapped(device, "draw", "sampler_multinomial", B, run_b64,
             lambda: patch.object(no_eos, "draw", agentflow.multinomial))
-    # Each row runs its whole prompt: no families (speed.shared_families). b64.
-    swapped(device, "families", "sampler_no_families", B, run_b64,
-            lambda: patch.object(speed, "shared_families", lambda seqs, shareable, P: []))
-    # The sampler's cache grows in place (speed.RoomyLayer); Hugging Face's DynamicLayer
-    # concatenates, copying the whole cache every step. Same sampler, same rows, b64.
+    # Each row runs its whole prompt: no shared-text groups (speed.shared_text_groups). b64.
+    swapped(device, "shared_groups", "sampler_no_shared_groups", B, run_b64,
+            lambda: patch.object(speed, "shared_text_groups", lambda seqs, shareable, P: []))
+    # The sampler's cache is allocated once and filled in place (speed.PreallocatedLayer);
+    # Hugging Face's DynamicLayer concatenates, copying the whole cache every step. Same
+    # sampler, same rows, b64.
     swapped(device, "kv_cache_in_place", "sampler_concat_cache", B, run_b64,
-            lambda: patch.object(speed, "roomy_cache", concat_cache))
+            lambda: patch.object(speed, "preallocated_cache", concat_cache))
     return out
 
 
@@ -201,22 +202,22 @@ def swapped(device: str, part: str, generic: str, B: int, fn, swap) -> None:
     show(f"{part}_speedup_b{B}", t_generic / t_ours)
 
 
-class ConcatLayer(speed.RoomyLayer):
+class ConcatLayer(speed.PreallocatedLayer):
     """The in-place cache's prefill, then each new position appended the way Hugging
     Face's DynamicLayer appends it: torch.cat of the whole cache and the new keys."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.k_buf is None:  # the prefill, laid out as the sampler lays it out
+        if self.k_live is None:  # the prefill, laid out as the sampler lays it out
             return super().update(key_states, value_states, *args, **kwargs)
-        self.k_buf = torch.cat([self.keys, key_states], dim=-2)  # [b, H, n+s, D], a new tensor
-        self.v_buf = torch.cat([self.values, value_states], dim=-2)
-        self.length = self.k_buf.shape[-2]
+        self.k_live = torch.cat([self.keys, key_states], dim=-2)  # [b, H, n+s, D], a new tensor
+        self.v_live = torch.cat([self.values, value_states], dim=-2)
+        self.length = self.k_live.shape[-2]
         self._views()
         return self.keys, self.values
 
 
 def concat_cache(capacity: int = 0, rows: int = 0) -> Cache:
-    """speed.roomy_cache's stand-in with ConcatLayer layers (the planned room unused)."""
+    """speed.preallocated_cache's stand-in with ConcatLayer layers (the planned room unused)."""
     return Cache(layer_class_to_replicate=ConcatLayer)
 
 
@@ -235,9 +236,9 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
           f"{shared} shared")
     one = SamplingParams(1.0, max_new_tokens=1)  # prefill + the first token, no decode step
 
-    def unshared(ps):  # the sampler with its shared-text paths (prefix, families) switched off
+    def unshared(ps):  # the sampler with its shared-text paths (prefix, shared-text groups) switched off
         with patch.object(speed, "common_prefix_len", lambda prompts: 0), \
-                patch.object(speed, "shared_families", lambda seqs, shareable, P: []):
+                patch.object(speed, "shared_text_groups", lambda seqs, shareable, P: []):
             llm.sample(ps, one)
 
     llm.sample(prompts[:4], one)  # warm up both paths

@@ -22,11 +22,13 @@ What is resident all run long, and what comes and goes:
                right after each optimizer step, the cache after each sampler call
 
 The activation figures are upper bounds written from the modules' forward (which tensors
-autograd saves per token and layer); gpu_check.py measures them against a real device.
+autograd saves per token and layer); `python -m scripts.gpu_check` measures them against a
+real device.
 Simplified: no activation checkpointing, no CPU offload; under torchrun each rank's
 device holds a whole plan (replicas, not shards), for its share of the rollouts.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +123,17 @@ class Plan:
             out.append(f"  {self.peak / GB:.2f} GB of {self.budget / GB:.1f} GB: " + ("fits" if self.fits else "DOES NOT FIT"))
         out += [f"  to fit: {p}" for p in self.problems]
         return "\n".join(out)
+
+    @contextmanager
+    def guard(self, where: str):
+        """Running out of memory inside is the plan's error on this machine, not the
+        items' or the model's: stop with PlanError, the plan and the knobs that shrink it."""
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            raise PlanError(f"out of memory {where} ({err}); the plan was:\n{self.text()}\nlower model.memory_gb "
+                            f"(the sampler then runs smaller sub-batches), model.prefill_tokens or train.micro_batch"
+                            ) from err
 
 
 # Per token and decoder layer, what autograd keeps for the backward pass of a trained
@@ -296,7 +309,7 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
     """The plan of a run's config; `config` (a transformers config) saves reading config.json.
     ranks: processes under torchrun, one device each. Each holds everything above for
     itself (weights, reference, optimizer state: they are replicated, not sharded); only
-    its rollout is smaller, its share of the step's groups (dist.World.shard)."""
+    its rollout is smaller, its share of the step's groups (ranks.World.shard)."""
     if config is None:
         from transformers import AutoConfig
 

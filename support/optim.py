@@ -105,36 +105,54 @@ class MasterWeights:
         self.copy_to_model()
 
 
-def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0):
-    """(AdamW, MasterWeights or None). bf16 / fp16 weights are stepped through fp32
-    masters; float32 weights directly (a float32 model: the plain AdamW, no masters)."""
-    low = [p for p in params if p.dtype in LOW_PRECISION]
-    if not low:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay), None
-    masters = MasterWeights(low)
-    master_of = {id(p): m for p, m in zip(masters.params, masters.masters)}
-    stepped = [master_of.get(id(p), p) for p in params]
-    return torch.optim.AdamW(stepped, lr=lr, weight_decay=weight_decay), masters
+class PlannerOptimizer:
+    """AdamW over the trained weights, through their fp32 masters when the weights are
+    bf16 / fp16, with a linear warmup to the learning rate, then constant."""
 
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
+                 warmup_steps: int = 0):
+        low = [p for p in params if p.dtype in LOW_PRECISION]
+        self.masters = MasterWeights(low) if low else None  # float32 weights: the plain AdamW, no masters
+        master_of = {id(p): m for p, m in zip(self.masters.params, self.masters.masters)} if low else {}
+        self.adamw = torch.optim.AdamW([master_of.get(id(p), p) for p in params], lr=lr, weight_decay=weight_decay)
+        warm = max(1, warmup_steps)  # counted in optimizer steps
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.adamw, lambda k: min(1.0, (k + 1) / warm))
 
-def step(optimizer, masters: MasterWeights | None, scheduler, max_grad_norm: float, all_reduce=None) -> float:
-    """(Sum the gradients over processes,) clip, step, round the masters into the weights,
-    advance the schedule, free the gradients; return the gradient norm before clipping.
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step takes."""
+        return self.schedule.get_last_lr()[0]
 
-    The clip acts on what the optimizer steps (its param_groups: the masters, whose .grad
-    holds the gradient; the bf16 weights' .grad is None by then). all_reduce (several
-    processes: dist.World.sum_grads) sums those same gradients over the ranks first, in
-    fp32 on the masters, so the norm, the clip and the step are the whole batch's, the
-    same on every rank. The gradients are freed here, right after the step, not at the
-    next step's start: they would otherwise sit in memory through the next rollout."""
-    stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    if all_reduce is not None:
-        all_reduce(stepped)
-    norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))
-    optimizer.step()
-    if masters is not None:
-        masters.copy_to_model()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
+    def step(self, max_grad_norm: float, all_reduce=None) -> float:
+        """(Sum the gradients over processes,) clip, step, round the masters into the weights,
+        advance the schedule, free the gradients; return the gradient norm before clipping.
+
+        The clip acts on what AdamW steps (the masters, whose .grad holds the gradient; the
+        bf16 weights' .grad is None by then). all_reduce (several processes:
+        ranks.World.sum_grads) sums those same gradients over the ranks first, in fp32 on
+        the masters, so the norm, the clip and the step are the whole batch's, the same on
+        every rank. The gradients are freed here, right after the step, not at the next
+        step's start: they would otherwise sit in memory through the next rollout."""
+        stepped = [p for group in self.adamw.param_groups for p in group["params"]]
+        if all_reduce is not None:
+            all_reduce(stepped)
+        norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))
+        self.adamw.step()
+        if self.masters is not None:
+            self.masters.copy_to_model()
+        self.schedule.step()
+        self.adamw.zero_grad(set_to_none=True)
+        return norm
+
+    def state_dict(self) -> dict:
+        """What a resume needs: AdamW's moments, the schedule, the fp32 masters."""
+        return {"optimizer": self.adamw.state_dict(), "scheduler": self.schedule.state_dict(),
+                "masters": self.masters.state_dict() if self.masters is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adamw.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["scheduler"])
+        if self.masters is not None:  # the fp32 weights the bf16 checkpoint is a rounding of
+            if state.get("masters") is None:
+                raise RuntimeError("the checkpoint holds no fp32 master weights; it was not written by a bf16 run")
+            self.masters.load_state_dict(state["masters"])

@@ -17,7 +17,7 @@ the whole system: policy, reference, tools, optimizer. What they share:
 
 A process started without torchrun's variables, or with WORLD_SIZE=1, gets SINGLE: its
 collectives return their input and make no torch.distributed call, so a one-process run
-is exactly the code it was before.
+does exactly what it would do with no distributed code at all.
 
 Simplified: one all-reduce per optimizer step after the backward passes, no overlap with
 them (the rollout, not the update, is most of a step); no sharding of weights or
@@ -76,6 +76,22 @@ class World:
         box = [obj]
         tdist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def minibatches(self, n: int, k: int, gen: torch.Generator) -> list[list[int]]:
+        """This rank's n rows dealt into k mini-batches as one process would deal all ranks'
+        rows: numbered across ranks in rank order (rank 0's first), shuffled with `gen` when
+        k > 1 (its state is the same on every rank), every k-th row to a mini-batch. Each
+        mini-batch as this rank's own indices (range(n) in order, for one process and k = 1)."""
+        offset, total = self.offset(n)
+        order = torch.randperm(total, generator=gen).tolist() if k > 1 else list(range(total))
+        return [[i - offset for i in order[mb::k] if offset <= i < offset + n] for mb in range(k)]
+
+    def merge(self, sums: dict, maxes: dict) -> tuple[dict, dict]:
+        """The whole batch's figures from each rank's: `sums` added up, `maxes` maximised."""
+        if self.size == 1:
+            return sums, maxes
+        parts = self.all_gather((sums, maxes))
+        return ({k: sum(p[0][k] for p in parts) for k in sums}, {k: max(p[1][k] for p in parts) for k in maxes})
 
     def offset(self, n: int) -> tuple[int, int]:
         """(where this rank's n items start in the ranks' concatenation, the total)."""

@@ -4,19 +4,22 @@ tests/test_flow_grpo.py prove the two give the same tokens, log-probs and gradie
 
 Nothing here changes WHAT is computed; each part changes how much work it takes:
 
-  * RoomyLayer: the sampler's KV cache grows in place instead of being re-concatenated
-    at every step, and finished rows move down inside the same buffer.
-  * prefill: beyond the prefix all rows share, rows that share more (a family: the G
-    rollouts of a query share its question; the trainer's G actions share their whole
-    prompt) run that part once; the rest runs in groups of similar length, so padding
-    costs little (length_groups). prefill_prompts also runs identical prompts once.
+  * PreallocatedLayer: the sampler's KV cache is allocated once, at its final size, and
+    filled in place instead of being re-concatenated at every step; finished rows move
+    down inside the same buffer.
+  * prefill: beyond the prefix all rows share, rows that share more (a shared-text
+    group: the G rollouts of a query share its question; the trainer's G actions share
+    their whole prompt) run that part once; the rest runs in batches of similar length,
+    so padding costs little (length_groups). prefill_prompts also runs identical prompts
+    once.
   * decode_step: one decode position written out for Llama and Qwen2 decoders, without
     the general forward's per-step overhead; its linears as W @ x^T or x @ W^T,
     whichever this machine runs faster (choose_decode measures it once).
   * draw: inverse-CDF sampling, one uniform per row instead of torch.multinomial's
     random number per vocabulary entry.
 
-Measured effects, machine by machine, are in bench.py's output and docs/LOG.md.
+Measured effects, machine by machine, are in the output of `python -m scripts.speed_bench`
+and in docs/LOG.md.
 """
 
 import functools
@@ -39,54 +42,56 @@ from support.models import cache_home
 # The cache
 
 
-class RoomyLayer(DynamicLayer):
-    """One layer's keys and values in a buffer with room to grow (the sampler's cache).
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in a buffer allocated with room to grow (the sampler's cache).
 
     Hugging Face's DynamicLayer appends each new token with torch.cat, which copies the
     WHOLE cache of every layer at every decode step: for a small model at a large batch
     that is as much memory traffic as reading the weights. Here the buffer [rows, H,
-    capacity, D] is written in place and attention reads a view of its first `length`
-    positions and live rows. The sampler knows the final size up front (its longest laid
-    out prompt + max_new_tokens, for every row of the call) and passes it as
-    `capacity` and `rows`: the buffer is then allocated once, at that size, and never
-    copied (without a capacity it starts at twice the first update and doubles when
-    full, O(1) per token amortised). The prefix run once is repeated to every row,
-    identical prompts are spread to their copies, and finished rows are dropped, all by
-    moving rows inside the same buffer. Masks and positions are untouched: to the model
-    this is a DynamicLayer whose tensors happen to live inside a bigger buffer.
+    capacity, D] (k_buffer, v_buffer) is written in place, and attention reads a view of
+    its first `length` positions and live rows (k_live, v_live). The sampler knows the
+    final size up front (its longest laid out prompt + max_new_tokens, for every row of
+    the call) and passes it as `capacity` and `rows`: the buffer is then allocated once,
+    at that size, and never copied (without a capacity it starts at twice the first
+    update and doubles when full, O(1) per token amortised). The prefix run once is
+    repeated to every row, identical prompts are spread to their copies, and finished
+    rows are dropped, all by moving rows inside the same buffer. Masks and positions are
+    untouched: to the model this is a DynamicLayer whose tensors happen to live inside a
+    bigger buffer.
     """
 
     def __init__(self, capacity: int = 0, rows: int = 0):
         super().__init__()
         self.capacity, self.rows = capacity, rows  # planned positions and rows; 0 = grow as needed
-        self.length, self.k_buf, self.v_buf = 0, None, None
+        self.length, self.k_live, self.v_live = 0, None, None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.length, self.k_buf, self.v_buf = 0, None, None
+        self.length, self.k_live, self.v_live = 0, None, None
 
-    def _allocate(self, b: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
-        """Buffers for max(rows, b) rows and the planned capacity (or twice `need`), of which b rows are live."""
+    def _allocate(self, live_rows: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
+        """Buffers for max(self.rows, live_rows) rows and the planned capacity (or twice
+        `need` positions), of which the first live_rows rows are live."""
         H, D, Dv = like_k.shape[1], like_k.shape[3], like_v.shape[3]
         cap = max(self.capacity, need) if self.capacity else 2 * need
-        rows = max(self.rows, b)
-        self.k_store = like_k.new_empty((rows, H, cap, D))
-        self.v_store = like_v.new_empty((rows, H, cap, Dv))
-        self.k_buf, self.v_buf = self.k_store[:b], self.v_store[:b]
+        rows = max(self.rows, live_rows)
+        self.k_buffer = like_k.new_empty((rows, H, cap, D))
+        self.v_buffer = like_v.new_empty((rows, H, cap, Dv))
+        self.k_live, self.v_live = self.k_buffer[:live_rows], self.v_buffer[:live_rows]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, s = self.length, key_states.shape[-2]
-        if self.k_buf is None:  # first call (the prefill)
-            self._allocate(key_states.shape[0], key_states, value_states, s)
-        elif n + s > self.k_buf.shape[-2]:  # more than planned: grow
-            self._move(2 * (n + s))
-        self.k_buf[:, :, n:n + s] = key_states  # [b, H, s, D] into the free slots
-        self.v_buf[:, :, n:n + s] = value_states
-        self.length = n + s
+        start, new = self.length, key_states.shape[-2]
+        if self.k_live is None:  # first call (the prefill)
+            self._allocate(key_states.shape[0], key_states, value_states, new)
+        elif start + new > self.k_live.shape[-2]:  # more than planned: grow
+            self._move(2 * (start + new))
+        self.k_live[:, :, start:start + new] = key_states  # [b, H, new, D] into the free slots
+        self.v_live[:, :, start:start + new] = value_states
+        self.length = start + new
         self._views()
-        return self.keys, self.values  # [b, H, n+s, D] views, no copy
+        return self.keys, self.values  # [b, H, start+new, D] views, no copy
 
     def put(self, rows: torch.Tensor | slice, start: int, keys: torch.Tensor, values: torch.Tensor,
             n_rows: int, length: int) -> None:
@@ -95,24 +100,24 @@ class RoomyLayer(DynamicLayer):
         lays out rows that ran in separate forwards, straight into the final buffer."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        if self.k_buf is None:
+        if self.k_live is None:
             self._allocate(n_rows, keys, values, length)
-        self.k_buf[rows, :, start:start + keys.shape[2]] = keys
-        self.v_buf[rows, :, start:start + values.shape[2]] = values
+        self.k_live[rows, :, start:start + keys.shape[2]] = keys
+        self.v_live[rows, :, start:start + values.shape[2]] = values
         self.length = length
         self._views()
 
     def _views(self) -> None:
-        self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+        self.keys, self.values = self.k_live[:, :, :self.length], self.v_live[:, :, :self.length]
 
     def _move(self, capacity: int, rows: torch.Tensor | None = None) -> None:
         """Copy the cached positions (of `rows` only, if given) into new buffers."""
-        k, v = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+        k, v = self.k_live[:, :, :self.length], self.v_live[:, :, :self.length]
         if rows is not None:
             k, v = k[rows], v[rows]
-        self.k_store = self.k_buf = k.new_empty((k.shape[0], k.shape[1], capacity, k.shape[3]))
-        self.v_store = self.v_buf = v.new_empty((v.shape[0], v.shape[1], capacity, v.shape[3]))
-        self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length] = k, v
+        self.k_buffer = self.k_live = k.new_empty((k.shape[0], k.shape[1], capacity, k.shape[3]))
+        self.v_buffer = self.v_live = v.new_empty((v.shape[0], v.shape[1], capacity, v.shape[3]))
+        self.k_live[:, :, :self.length], self.v_live[:, :, :self.length] = k, v
         self._views()
 
     def get_seq_length(self) -> int:
@@ -121,14 +126,14 @@ class RoomyLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:  # the shared prefix -> every row
         if self.get_seq_length() == 0:
             return
-        b, n = self.k_buf.shape[0], self.length
-        if b == 1 and self.k_store.shape[0] >= repeats:  # in place: row 0 copied into the rows planned
-            self.k_buf, self.v_buf = self.k_store[:repeats], self.v_store[:repeats]
-            self.k_buf[1:, :, :n], self.v_buf[1:, :, :n] = self.k_buf[:1, :, :n], self.v_buf[:1, :, :n]
+        live, n = self.k_live.shape[0], self.length
+        if live == 1 and self.k_buffer.shape[0] >= repeats:  # in place: row 0 copied into the rows planned
+            self.k_live, self.v_live = self.k_buffer[:repeats], self.v_buffer[:repeats]
+            self.k_live[1:, :, :n], self.v_live[1:, :, :n] = self.k_live[:1, :, :n], self.v_live[:1, :, :n]
             self._views()
             return
-        rows = torch.arange(b, device=self.k_buf.device).repeat_interleave(repeats)
-        self._move(self.k_buf.shape[-2], rows)
+        rows = torch.arange(live, device=self.k_live.device).repeat_interleave(repeats)
+        self._move(self.k_live.shape[-2], rows)
 
     def spread(self, src: list[int]) -> None:
         """Row j becomes a copy of row src[j], for src[j] <= j (the unique prompts of a
@@ -137,14 +142,14 @@ class RoomyLayer(DynamicLayer):
         is read before it is overwritten."""
         if self.get_seq_length() == 0:
             return
-        if self.k_store.shape[0] < len(src) or any(r > j for j, r in enumerate(src)):
-            self._move(self.k_buf.shape[-2], torch.tensor(src, device=self.k_buf.device))
+        if self.k_buffer.shape[0] < len(src) or any(r > j for j, r in enumerate(src)):
+            self._move(self.k_live.shape[-2], torch.tensor(src, device=self.k_live.device))
             return
         n = self.length
-        self.k_buf, self.v_buf = self.k_store[:len(src)], self.v_store[:len(src)]
+        self.k_live, self.v_live = self.k_buffer[:len(src)], self.v_buffer[:len(src)]
         for j in range(len(src) - 1, -1, -1):
             if src[j] != j:
-                self.k_buf[j, :, :n], self.v_buf[j, :, :n] = self.k_buf[src[j], :, :n], self.v_buf[src[j], :, :n]
+                self.k_live[j, :, :n], self.v_live[j, :, :n] = self.k_live[src[j], :, :n], self.v_live[src[j], :, :n]
         self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:  # drop finished rows, copy duplicates
@@ -152,7 +157,7 @@ class RoomyLayer(DynamicLayer):
             return
         keep = indices.tolist()
         if any(a >= b for a, b in zip(keep, keep[1:])):  # not a subset in order: new buffers
-            self._move(self.k_buf.shape[-2], indices)
+            self._move(self.k_live.shape[-2], indices)
             return
         # Dropping finished rows: keep[j] >= j, so row keep[j] moves down to slot j in place.
         # Rows before the first dropped one stay where they are; only the rest is copied,
@@ -162,26 +167,27 @@ class RoomyLayer(DynamicLayer):
         n = self.length
         if first < len(keep):
             src = indices[first:]  # [m - first] rows that move down
-            self.k_buf[first:len(keep), :, :n] = self.k_buf[src, :, :n]
-            self.v_buf[first:len(keep), :, :n] = self.v_buf[src, :, :n]
-        self.k_buf, self.v_buf = self.k_buf[:len(keep)], self.v_buf[:len(keep)]
+            self.k_live[first:len(keep), :, :n] = self.k_live[src, :, :n]
+            self.v_live[first:len(keep), :, :n] = self.v_live[src, :, :n]
+        self.k_live, self.v_live = self.k_live[:len(keep)], self.v_live[:len(keep)]
         self._views()
 
 
-def roomy_cache(capacity: int = 0, rows: int = 0) -> Cache:
+def preallocated_cache(capacity: int = 0, rows: int = 0) -> Cache:
     """A cache for the sampler whose layers live in buffers of `capacity` positions and
-    `rows` rows (0: grow in place as needed), see RoomyLayer."""
-    return Cache(layer_class_to_replicate=functools.partial(RoomyLayer, capacity, rows))
+    `rows` rows (0: grow in place as needed), see PreallocatedLayer."""
+    return Cache(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity, rows))
 
 
-def _layer(cache: Cache, i: int) -> RoomyLayer:
+def _cache_layer(cache: Cache, i: int) -> PreallocatedLayer:
+    """Layer i of `cache`, created first if the cache has no layer i yet."""
     while len(cache.layers) <= i:  # what Cache.update does for a new layer index
         cache.layers.append(cache.layer_class_to_replicate())
     return cache.layers[i]
 
 
 # ----------------------------------------------------------------------------------------
-# Prefill: shared text once, the rest in groups of similar length
+# Prefill: shared text once, the rest in batches of similar length
 
 
 def unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -200,7 +206,7 @@ def prefill_prompts(model, prompts: list[list[int]], pad_id: int, extra: int = 0
     dev = next(model.parameters()).device
     unique, src = unique_prompts(prompts)
     shareable = [len(p) - 1 for p in unique]
-    cache = roomy_cache(layout(unique, shareable).width + extra, len(prompts))
+    cache = preallocated_cache(layout(unique, shareable).width + extra, len(prompts))
     logits, mask = prefill(model, unique, pad_id, cache, logits_to_keep=1, shareable=shareable,
                            max_tokens=max_tokens)
     logits = logits[:, -1, :]  # [u, V]
@@ -214,20 +220,19 @@ def prefill_prompts(model, prompts: list[list[int]], pad_id: int, extra: int = 0
 
 @dataclass
 class Layout:
-    """How prefill lays out its rows (see there): P prefix tokens every row shares, the
-    families (rows, q) that share q more, each row's family (len(families) = none) and
-    own rest, Lq the longest family part; a row holds width = P + Lq + longest rest
-    positions."""
-    P: int
-    families: list[tuple[list[int], int]]
-    parts: list[list[int]]
-    fam_of: list[int]
-    rest: list[list[int]]
-    Lq: int
+    """How prefill lays out its rows (see there): each row holds
+    [prefix | pads, its group's shared part | pads, its own rest], right-aligned in each
+    block, so a row is width = prefix_len + shared_width + longest rest positions."""
+    prefix_len: int  # P: the tokens every row starts with, run once at batch 1 (0: none)
+    shared_groups: list[tuple[list[int], int]]  # (rows, n_shared): rows that share n_shared more tokens
+    shared_parts: list[list[int]]  # each shared group's n_shared tokens, run once for the group
+    group_of: list[int]  # each row's shared group; len(shared_groups) for a row in none
+    rest: list[list[int]]  # each row's own tokens after its prefix and shared part
+    shared_width: int  # the longest shared part (0 without shared groups)
 
     @property
     def width(self) -> int:
-        return self.P + self.Lq + max(len(r) for r in self.rest)
+        return self.prefix_len + self.shared_width + max(len(r) for r in self.rest)
 
 
 def layout(seqs: list[list[int]], shareable: list[int]) -> Layout:
@@ -235,13 +240,14 @@ def layout(seqs: list[list[int]], shareable: list[int]) -> Layout:
     P = min(common_prefix_len(seqs), min(shareable)) if n > 1 else 0
     if P < MIN_SHARED:  # too short to be worth a separate forward
         P = 0
-    families = shared_families(seqs, shareable, P)  # [(rows, q)]: rows share seqs[rows[0]][P:P+q]
-    parts = [seqs[rows[0]][P:P + q] for rows, q in families]  # each family's shared part
-    fam_of, rest = [len(families)] * n, [s[P:] for s in seqs]  # no family: the last "family", empty
-    for f, (rows, q) in enumerate(families):
+    groups = shared_text_groups(seqs, shareable, P)  # [(rows, n_shared)]: rows share seqs[rows[0]][P:P+n_shared]
+    parts = [seqs[rows[0]][P:P + n_shared] for rows, n_shared in groups]
+    group_of, rest = [len(groups)] * n, [s[P:] for s in seqs]  # in no group: one past the last, an empty part
+    for g, (rows, n_shared) in enumerate(groups):
         for r in rows:
-            fam_of[r], rest[r] = f, seqs[r][P + q:]
-    return Layout(P, families, parts, fam_of, rest, max(map(len, parts), default=0))
+            group_of[r], rest[r] = g, seqs[r][P + n_shared:]
+    return Layout(prefix_len=P, shared_groups=groups, shared_parts=parts, group_of=group_of, rest=rest,
+                  shared_width=max(map(len, parts), default=0))
 
 
 def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int,
@@ -256,43 +262,47 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
     token; the trainer: the last prompt token and the action). Two levels:
       * the prefix ALL rows start with (a module's instructions and tool cards) runs once
         at batch 1: P positions;
-      * a family, rows that share more than that (the G rollouts of a query share the
-        question; the trainer's G actions share their whole prompt), runs its shared part
-        once: the families run together as one left-padded batch behind the prefix;
-    then every row's own rest runs behind its prefix and family part. Each row is laid out
-      [prefix (P) | pads, family part (Lq) | pads, own rest (L)],   S = P + Lq + L,
-    with its tokens in the last columns of each block. Pads are masked out and skipped by
-    the position ids, so each row computes exactly what it would alone. The sampler and
-    the trainer (flow_grpo.token_logprobs) both lay rows out through this one function;
-    it is differentiable, so the trainer's shared text is computed once too. The plain
-    version (agentflow.prefill) runs the common prefix once and the rest as one batch.
+      * a shared group, rows that share more than that (the G rollouts of a query share
+        the question; the trainer's G actions share their whole prompt), runs its shared
+        part once: the groups' parts run together as one left-padded batch behind the
+        prefix;
+    then every row's own rest runs behind its prefix and shared part. Each row is laid out
+      [prefix (P) | pads, shared part | pads, own rest (L)],   S = P + shared_width + L,
+    with its tokens in the last columns of each block (shared_width: the longest shared
+    part). Pads are masked out and skipped by the position ids, so each row computes
+    exactly what it would alone. The sampler and the trainer (flow_grpo.token_logprobs)
+    both lay rows out through this one function; it is differentiable, so the trainer's
+    shared text is computed once too. The plain version (agentflow.prefill) runs the
+    common prefix once and the rest as one batch.
 
     Padding is work too: a pad runs through every layer like a token. When the rests'
     lengths differ a lot (a 30-token question beside an 80-token one, an empty memory
-    beside a full one), the rows are split into groups of similar length
-    (`length_groups`) and each group runs as its own left-padded batch; the groups' keys
-    and values are then laid out as if they had run together. `cache` (empty on entry;
-    None if only the logits are wanted, as in the trainer) ends up holding every row's
-    keys and values; the sampler's cache is a roomy_cache, into which each group's keys
-    and values are written as soon as it has run.
+    beside a full one), the rows are split into batches of similar length
+    (`length_groups`) and each batch runs as its own left-padded forward; the batches'
+    keys and values are then laid out as if they had run together. `cache` (empty on
+    entry; None if only the logits are wanted, as in the trainer) ends up holding every
+    row's keys and values; the sampler's cache is a preallocated_cache, into which each
+    batch's keys and values are written as soon as it has run.
 
     max_tokens (the sampler under a memory plan) caps one forward: rows x (cached + new
-    positions) <= max_tokens, by splitting groups and family batches into fewer rows and
-    running a single row's long text in pieces. It changes which forwards run, not what
-    each row computes.
+    positions) <= max_tokens, by splitting batches of rests and of shared parts into
+    fewer rows and running a single row's long text in pieces. It changes which forwards
+    run, not what each row computes.
     """
     n, dev = len(seqs), next(model.parameters()).device
-    lay = layout(seqs, shareable)
-    P, families, parts, fam_of, rest, Lq = lay.P, lay.families, lay.parts, lay.fam_of, lay.rest, lay.Lq
-    # Each row's mask over the positions it finds cached: [prefix | its family part].
-    pre_mask = torch.ones((n, P + Lq), dtype=torch.long, device=dev)  # [n, P+Lq], 1 = real token
-    fam_masks = left_padded(parts + [[]], Lq, pad_id, dev)[1]  # [F+1, Lq]; the last: no family, all pads
-    pre_mask[:, P:] = fam_masks[fam_of]  # [n, Lq] each row's family
-    groups = length_groups([len(s) for s in rest])
+    row_layout = layout(seqs, shareable)
+    P, rest, shared_width = row_layout.prefix_len, row_layout.rest, row_layout.shared_width
+    shared_groups, shared_parts, group_of = row_layout.shared_groups, row_layout.shared_parts, row_layout.group_of
+    # Each row's mask over the positions it finds cached: [prefix | its group's shared part].
+    pre_mask = torch.ones((n, P + shared_width), dtype=torch.long, device=dev)  # 1 = real token
+    part_masks = left_padded(shared_parts + [[]], shared_width, pad_id, dev)[1]  # [groups+1, shared_width]
+    pre_mask[:, P:] = part_masks[group_of]  # [n, shared_width] each row's shared part (in no group: all pads)
+    batches = length_groups([len(s) for s in rest])
     if max_tokens:
-        groups = [g for rows in groups for g in _capped(rows, P + Lq + max(len(rest[r]) for r in rows), max_tokens)]
+        batches = [run for rows in batches
+                   for run in _capped(rows, P + shared_width + max(len(rest[r]) for r in rows), max_tokens)]
 
-    one_batch = len(groups) == 1 and not families
+    one_batch = len(batches) == 1 and not shared_groups
     work = cache if one_batch and cache is not None else DynamicCache()
     if P:
         if max_tokens and P > max_tokens:
@@ -306,33 +316,38 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
         logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep, hidden, max_tokens)
         return logits, torch.cat([pre_mask, suffix_mask], dim=-1)
     if cache is not None:
-        return _prefill_into(model, lay, pre_mask, groups, work, cache, pad_id, logits_to_keep, hidden, max_tokens)
-    # The trainer: keys and values each row finds before its rest: one entry per family, and
-    # a last one (prefix, then Lq pads) for rows in no family. Per layer: ([F+1, H, P+Lq, D],
-    # same); without families that is the prefix alone, [1, H, P, D], and every row's entry is 0.
-    pre_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
-    if families:
-        fam = DynamicCache()
-        for i, (k, v) in enumerate(pre_kv):  # the prefix, copied to every family
-            fam.update(k.expand(len(parts), -1, -1, -1), v.expand(len(parts), -1, -1, -1), i)
-        _run_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, fam, 1, hidden)  # [F, H, P+Lq, D] a layer
-        none = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, Lq))  # [1, H, P+Lq, D]: the prefix, then zeros
-        pre_kv = [(torch.cat([l.keys, none(l.keys)]), torch.cat([l.values, none(l.values)])) for l in fam.layers]
-    # Rows of one family read the same entry. k[idx] with repeated indices would do, but on
-    # a CPU with more than one thread its backward sums those rows' gradients with atomic
-    # float adds, in whatever order the threads get there: the same step then gave other
-    # weights in the 7th digit from run to run (docs/LOG.md). stack's backward hands each
+        return _prefill_into(model, row_layout, pre_mask, batches, work, cache, pad_id, logits_to_keep, hidden,
+                             max_tokens)
+    # The trainer: keys and values each row finds before its rest: one entry per shared
+    # group, and a last one (prefix, then shared_width pads) for rows in no group. Per
+    # layer: ([groups+1, H, P+shared_width, D], same); without shared groups that is the
+    # prefix alone, [1, H, P, D], and every row's entry is 0.
+    cached_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
+    if shared_groups:
+        shared_cache = DynamicCache()
+        for i, (k, v) in enumerate(cached_kv):  # the prefix, copied to every shared group
+            shared_cache.update(k.expand(len(shared_parts), -1, -1, -1), v.expand(len(shared_parts), -1, -1, -1), i)
+        _run_rest(model, shared_parts, pre_mask.new_ones(len(shared_parts), P), pad_id, shared_cache, 1,
+                  hidden)  # [groups, H, P+shared_width, D] a layer
+        no_group = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, shared_width))  # [1, H, P+shared_width, D]: prefix, zeros
+        cached_kv = [(torch.cat([layer.keys, no_group(layer.keys)]), torch.cat([layer.values, no_group(layer.values)]))
+                     for layer in shared_cache.layers]
+    # Rows of one shared group read the same entry. k[idx] with repeated indices would do,
+    # but on a CPU with more than one thread its backward sums those rows' gradients with
+    # atomic float adds, in whatever order the threads get there, so the same step would
+    # give other weights in the 7th digit from run to run. stack's backward hands each
     # row its own slice, and autograd adds the slices of one entry in a fixed order.
-    pre_kv = [(k.unbind(0), v.unbind(0)) for k, v in pre_kv]  # per layer: F+1 entries [H, P+Lq, D]
+    cached_kv = [(k.unbind(0), v.unbind(0)) for k, v in cached_kv]  # per layer: groups+1 entries [H, P+shared_width, D]
     logits = []
-    for rows in groups:
-        sub = DynamicCache()
-        for i, (k, v) in enumerate(pre_kv):  # what the group's rows find cached: [c, H, P+Lq, D]
-            sub.update(torch.stack([k[fam_of[r]] for r in rows]), torch.stack([v[fam_of[r]] for r in rows]), i)
-        part, _ = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, sub,
-                            logits_to_keep, hidden)  # [c, k<=keep, V]
-        logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
-    back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
+    for rows in batches:
+        batch_cache = DynamicCache()
+        for i, (k, v) in enumerate(cached_kv):  # what the batch's rows find cached: [c, H, P+shared_width, D]
+            batch_cache.update(torch.stack([k[group_of[r]] for r in rows]),
+                               torch.stack([v[group_of[r]] for r in rows]), i)
+        out, _ = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, batch_cache,
+                           logits_to_keep, hidden)  # [c, k<=keep, V]
+        logits.append(F.pad(out, (0, 0, logits_to_keep - out.shape[1], 0)))  # [c, keep, V]
+    back = torch.argsort(torch.tensor([r for rows in batches for r in rows], device=dev))  # batch order -> row order
     L = max(len(s) for s in rest)
     suffix_mask = left_padded(rest, L, pad_id, dev)[1]  # [n, L] each row's rest, right-aligned
     return torch.cat(logits)[back], torch.cat([pre_mask, suffix_mask], dim=-1)
@@ -340,70 +355,71 @@ def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: in
 
 def _capped(rows: list[int], width: int, max_tokens: int) -> list[list[int]]:
     """`rows` in runs of at most max_tokens // width rows (at least one)."""
-    k = max(1, max_tokens // max(width, 1))
-    return [rows[i:i + k] for i in range(0, len(rows), k)]
+    per_run = max(1, max_tokens // max(width, 1))
+    return [rows[i:i + per_run] for i in range(0, len(rows), per_run)]
 
 
 @torch.no_grad()
-def _prefill_into(model, lay: Layout, pre_mask, groups, work, cache, pad_id: int, logits_to_keep: int,
+def _prefill_into(model, row_layout: Layout, pre_mask, batches, work, cache, pad_id: int, logits_to_keep: int,
                   hidden: bool, max_tokens: int | None):
     """prefill's layout written straight into the sampler's cache, allocated once at its
-    final size: first every row's [prefix | family part], then each group's rest right
-    after the group has run, so that besides the final cache only one family batch or
-    one group's keys and values exist at a time."""
-    n, dev = len(lay.rest), pre_mask.device
-    P, Lq, K = lay.P, lay.Lq, lay.P + lay.Lq
-    L = max(len(s) for s in lay.rest)
+    final size: first every row's [prefix | shared part], then each batch's rests right
+    after the batch has run, so that besides the final cache only one batch of shared
+    parts or of rests has its keys and values at a time."""
+    n, dev = len(row_layout.rest), pre_mask.device
+    P, shared_width = row_layout.prefix_len, row_layout.shared_width
+    K = P + shared_width  # the positions before each row's rest
+    L = max(len(s) for s in row_layout.rest)
     S = K + L
-    if P:  # every row: the prefix, then zeros where a family part would go (masked pads)
-        for i, l in enumerate(work.layers):
-            k, v = l.keys[:1, :, :P], l.values[:1, :, :P]  # [1, H, P, D]
-            layer = _layer(cache, i)
+    if P:  # every row: the prefix, then zeros where a shared part would go (masked pads)
+        for i, src in enumerate(work.layers):
+            k, v = src.keys[:1, :, :P], src.values[:1, :, :P]  # [1, H, P, D]
+            layer = _cache_layer(cache, i)
             layer.put(slice(None), 0, k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), n, S)
-            if Lq:
-                layer.put(slice(None), P, k.new_zeros(n, k.shape[1], Lq, k.shape[3]),
-                          v.new_zeros(n, v.shape[1], Lq, v.shape[3]), n, S)
-    if lay.families:
-        everyone = list(range(len(lay.families)))
-        for chunk in (_capped(everyone, K, max_tokens) if max_tokens else [everyone]):
-            fam = DynamicCache()
-            for i, l in enumerate(work.layers):  # the prefix, copied to every family of the chunk
-                fam.update(l.keys[:1, :, :P].expand(len(chunk), -1, -1, -1),
-                           l.values[:1, :, :P].expand(len(chunk), -1, -1, -1), i)
-            _run_rest(model, [lay.parts[f] for f in chunk], pre_mask.new_ones(len(chunk), P), pad_id, fam, 1,
-                      hidden, max_tokens)  # [c, H, P+Lq_c, D] a layer
-            for i, l in enumerate(fam.layers):
-                layer = _layer(cache, i)
-                k, v = l.keys[:, :, P:], l.values[:, :, P:]  # [c, H, Lq_c, D] the family parts
-                if layer.k_buf is None:  # no prefix: zeros first, as masked pads before short parts
-                    layer.put(slice(None), 0, k.new_zeros(n, k.shape[1], Lq, k.shape[3]),
-                              v.new_zeros(n, v.shape[1], Lq, v.shape[3]), n, S)
-                at = P + Lq - k.shape[2]  # right-aligned in [P, P+Lq), like one batch padded to Lq
-                for j, f in enumerate(chunk):
-                    rows = torch.tensor(lay.families[f][0], device=dev)
+            if shared_width:
+                layer.put(slice(None), P, k.new_zeros(n, k.shape[1], shared_width, k.shape[3]),
+                          v.new_zeros(n, v.shape[1], shared_width, v.shape[3]), n, S)
+    if row_layout.shared_groups:
+        all_groups = list(range(len(row_layout.shared_groups)))
+        for chunk in (_capped(all_groups, K, max_tokens) if max_tokens else [all_groups]):
+            shared_cache = DynamicCache()
+            for i, src in enumerate(work.layers):  # the prefix, copied to every shared group of the chunk
+                shared_cache.update(src.keys[:1, :, :P].expand(len(chunk), -1, -1, -1),
+                                    src.values[:1, :, :P].expand(len(chunk), -1, -1, -1), i)
+            _run_rest(model, [row_layout.shared_parts[g] for g in chunk], pre_mask.new_ones(len(chunk), P), pad_id,
+                      shared_cache, 1, hidden, max_tokens)  # [c, H, P+width_c, D] a layer
+            for i, src in enumerate(shared_cache.layers):
+                layer = _cache_layer(cache, i)
+                k, v = src.keys[:, :, P:], src.values[:, :, P:]  # [c, H, width_c, D] the shared parts
+                if layer.k_live is None:  # no prefix: zeros first, as masked pads before short parts
+                    layer.put(slice(None), 0, k.new_zeros(n, k.shape[1], shared_width, k.shape[3]),
+                              v.new_zeros(n, v.shape[1], shared_width, v.shape[3]), n, S)
+                at = K - k.shape[2]  # right-aligned in [P, K), like one batch padded to shared_width
+                for j, g in enumerate(chunk):
+                    rows = torch.tensor(row_layout.shared_groups[g][0], device=dev)
                     layer.put(rows, at, k[j:j + 1].expand(len(rows), -1, -1, -1),
                               v[j:j + 1].expand(len(rows), -1, -1, -1), n, S)
-            del fam
+            del shared_cache
     logits = []
-    for rows in groups:
+    for rows in batches:
         idx = torch.tensor(rows, device=dev)  # [c]
-        sub = DynamicCache()
-        for i, layer in enumerate(cache.layers if K else []):  # what the group's rows find cached: [c, H, K, D]
-            sub.update(layer.k_buf[idx, :, :K], layer.v_buf[idx, :, :K], i)
-        part, m = _run_rest(model, [lay.rest[r] for r in rows], pre_mask[rows], pad_id, sub,
-                            logits_to_keep, hidden, max_tokens)  # [c, k<=keep, V], [c, L_c]
-        logits.append(F.pad(part, (0, 0, logits_to_keep - part.shape[1], 0)))  # [c, keep, V]
-        Lc = m.shape[1]
-        for i, l in enumerate(sub.layers):  # [cached | zeros as extra pads | group's pads, rest]
-            layer = _layer(cache, i)
-            k, v = l.keys[:, :, K:], l.values[:, :, K:]  # [c, H, L_c, D]
+        batch_cache = DynamicCache()
+        for i, layer in enumerate(cache.layers if K else []):  # what the batch's rows find cached: [c, H, K, D]
+            batch_cache.update(layer.k_live[idx, :, :K], layer.v_live[idx, :, :K], i)
+        out, rest_mask = _run_rest(model, [row_layout.rest[r] for r in rows], pre_mask[rows], pad_id, batch_cache,
+                                   logits_to_keep, hidden, max_tokens)  # [c, k<=keep, V], [c, L_c]
+        logits.append(F.pad(out, (0, 0, logits_to_keep - out.shape[1], 0)))  # [c, keep, V]
+        Lc = rest_mask.shape[1]  # the batch's longest rest
+        for i, src in enumerate(batch_cache.layers):  # [cached | zeros as extra pads | batch's pads, rest]
+            layer = _cache_layer(cache, i)
+            k, v = src.keys[:, :, K:], src.values[:, :, K:]  # [c, H, L_c, D]
             if Lc < L:
                 layer.put(idx, K, k.new_zeros(len(rows), k.shape[1], L - Lc, k.shape[3]),
                           v.new_zeros(len(rows), v.shape[1], L - Lc, v.shape[3]), n, S)
             layer.put(idx, S - Lc, k, v, n, S)
-        del sub
-    back = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=dev))  # group order -> row order
-    suffix_mask = left_padded(lay.rest, L, pad_id, dev)[1]  # [n, L]
+        del batch_cache
+    back = torch.argsort(torch.tensor([r for rows in batches for r in rows], device=dev))  # batch order -> row order
+    suffix_mask = left_padded(row_layout.rest, L, pad_id, dev)[1]  # [n, L]
     return torch.cat(logits)[back], torch.cat([pre_mask, suffix_mask], dim=-1)
 
 
@@ -418,17 +434,17 @@ def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int,
     K, L = pre_mask.shape[1], ids.shape[1]
     full = torch.cat([pre_mask, mask], dim=-1)  # [c, K+L]
     pos = (full.cumsum(-1) - 1).clamp(min=0)[:, K:]  # [c, L] each token's position in its sequence
-    width = max(1, max_tokens // len(rest)) if max_tokens else L
-    for a in range(0, L, width):
-        b = min(L, a + width)
-        keep = min(logits_to_keep, b - a)
+    piece = max(1, max_tokens // len(rest)) if max_tokens else L  # columns per forward
+    for start in range(0, L, piece):
+        end = min(L, start + piece)
+        keep = min(logits_to_keep, end - start)
         if hidden:  # the decoder without its output layer (Llama, Qwen2, GPT-2 all expose it as base_model)
-            out = model.base_model(input_ids=ids[:, a:b], attention_mask=full[:, :K + b], position_ids=pos[:, a:b],
-                                   cache=cache, use_cache=True)
+            out = model.base_model(input_ids=ids[:, start:end], attention_mask=full[:, :K + end],
+                                   position_ids=pos[:, start:end], cache=cache, use_cache=True)
             last = out.last_hidden_state[:, -keep:]
         else:
-            last = model(input_ids=ids[:, a:b], attention_mask=full[:, :K + b], position_ids=pos[:, a:b], cache=cache,
-                         use_cache=True, logits_to_keep=keep).logits
+            last = model(input_ids=ids[:, start:end], attention_mask=full[:, :K + end], position_ids=pos[:, start:end],
+                         cache=cache, use_cache=True, logits_to_keep=keep).logits
     return last, mask
 
 
@@ -436,28 +452,29 @@ def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int,
 MIN_SHARED = 8
 
 
-def shared_families(seqs: list[list[int]], shareable: list[int], P: int) -> list[tuple[list[int], int]]:
+def shared_text_groups(seqs: list[list[int]], shareable: list[int], P: int) -> list[tuple[list[int], int]]:
     """Rows that share at least MIN_SHARED tokens beyond the common prefix P, as
-    (rows, q): the rows' next q tokens are the same (and within each row's `shareable`).
+    (rows, n_shared): the rows' next n_shared tokens are the same (and within each row's
+    `shareable`).
 
     Sorted, rows sharing a beginning are neighbours, and a run's shared length only
     shrinks as it grows; a run grows while it keeps MIN_SHARED tokens in common."""
     order = sorted(range(len(seqs)), key=lambda r: seqs[r][P:])
-    families, i = [], 0
+    groups, i = [], 0
     while i < len(order):
-        first, q, j = seqs[order[i]], shareable[order[i]] - P, i + 1
+        first, n_shared, j = seqs[order[i]], shareable[order[i]] - P, i + 1
         while j < len(order):
-            other, k = seqs[order[j]], P
-            while k < min(len(first), len(other)) and first[k] == other[k]:
-                k += 1
-            shared = min(q, k - P, shareable[order[j]] - P)
+            other, end = seqs[order[j]], P
+            while end < min(len(first), len(other)) and first[end] == other[end]:
+                end += 1  # first[P:end] == other[P:end]
+            shared = min(n_shared, end - P, shareable[order[j]] - P)
             if shared < MIN_SHARED:
                 break
-            q, j = shared, j + 1
+            n_shared, j = shared, j + 1
         if j - i > 1:
-            families.append((sorted(order[i:j]), q))
+            groups.append((sorted(order[i:j]), n_shared))
         i = j
-    return families
+    return groups
 
 
 # What one more forward costs beyond its tokens, counted in tokens of prefill: reading
@@ -474,14 +491,15 @@ def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> li
     program: best[j] = min over i < j of best[i] + (j - i) * len_j + group_cost, the
     cheapest way to run the j shortest rows with the last group holding rows i..j-1."""
     order = sorted(range(len(lengths)), key=lambda r: lengths[r])
-    sl = [lengths[r] for r in order]
-    best, cut = [0] + [float("inf")] * len(sl), [0] * (len(sl) + 1)
-    for j in range(1, len(sl) + 1):
+    sorted_lengths = [lengths[r] for r in order]
+    n = len(sorted_lengths)
+    best, cut = [0] + [float("inf")] * n, [0] * (n + 1)  # cut[j]: where the last group of the best split starts
+    for j in range(1, n + 1):
         for i in range(j):
-            cost = best[i] + (j - i) * sl[j - 1] + group_cost
+            cost = best[i] + (j - i) * sorted_lengths[j - 1] + group_cost
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    groups, j = [], len(sl)
+    groups, j = [], n
     while j > 0:
         groups.append(order[cut[j]:j])
         j = cut[j]
@@ -546,13 +564,14 @@ def cpu_name() -> str:
 
 
 def _machine_key(model) -> str:
-    p = next(model.parameters())
+    param = next(model.parameters())
     cpu = cpu_name()
-    if p.device.type == "cuda":
-        cpu = torch.cuda.get_device_name(p.device)
-    c = model.config
-    return (f"{cpu} | torch {torch.__version__} | threads {torch.get_num_threads()} | {p.device.type} {p.dtype} | "
-            f"{c.model_type} h{c.hidden_size} L{c.num_hidden_layers} V{c.vocab_size}")
+    if param.device.type == "cuda":
+        cpu = torch.cuda.get_device_name(param.device)
+    cfg = model.config
+    return (f"{cpu} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
+            f"{param.device.type} {param.dtype} | "
+            f"{cfg.model_type} h{cfg.hidden_size} L{cfg.num_hidden_layers} V{cfg.vocab_size}")
 
 
 def _read_choices() -> dict:
@@ -586,7 +605,8 @@ def _measure_decode(model, rows: int = 32, context: int = 8, rounds: int = 5) ->
     model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
     tok, pos = ids[:, context], torch.full((rows, 1), context, device=dev)  # [b], [b, 1]
     mask = torch.ones((rows, context + 1), dtype=torch.long, device=dev)  # [b, c+1]
-    forward = lambda m, t, p, k, c: m(input_ids=t[:, None], attention_mask=k, position_ids=p, cache=c, use_cache=True)
+    forward = lambda model, tok, pos, mask, cache: model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                                                         cache=cache, use_cache=True)
     ways = {"forward": forward, **DECODE_STEPS}
     best = {name: float("inf") for name in ways}
     for r in range(rounds + 1):  # round 0 warms every way up
@@ -617,37 +637,36 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
       * `linear` computes one linear layer: nn.Linear's x @ W^T by default, W @ x^T in
         decode_step_transposed: the same product, but some CPUs' BLAS runs the [out, in]
         x [in, b] shape much faster for a few dozen rows, and others much slower
-        (scripts/speed_bench.py, `linear_only_*`); choose_decode picks;
+        (`python -m scripts.speed_bench`, its `linear_only_*` figures); choose_decode picks;
       * attention groups the query heads by their KV head ([b, kv, g, D] against
         [b, kv, S, D]), so grouped keys and values are read as they are in the cache,
         never repeated per query head.
     Same math as the HF forward, but not the same summation order: log-probs agree to
     ~1e-5 in fp32 (tests/test_sampler.py), greedy tokens are the same.
     """
-    mm = linear  # one linear layer: [b, in] -> [b, out]
-    dec = model.model
+    decoder = model.model
     b = tok.shape[0]
-    x = dec.embed_tokens(tok)  # [b, h]
-    cos, sin = dec.rotary_emb(x, pos)  # [b, 1, D] each
+    x = decoder.embed_tokens(tok)  # [b, h] the residual stream
+    cos, sin = decoder.rotary_emb(x, pos)  # [b, 1, D] each
     bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)  # [b, S]
     bias = bias.masked_fill(mask == 0, torch.finfo(x.dtype).min)[:, None, None, :]  # [b, 1, 1, S]
-    for i, layer in enumerate(dec.layers):
-        att = layer.self_attn
-        D, kv = att.head_dim, att.config.num_key_value_heads
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        D, kv_heads = attn.head_dim, attn.config.num_key_value_heads
         h = layer.input_layernorm(x)  # [b, h]
-        q = mm(h, att.q_proj).view(b, -1, 1, D)  # [b, H, 1, D]
-        k = mm(h, att.k_proj).view(b, kv, 1, D)  # [b, kv, 1, D]
-        v = mm(h, att.v_proj).view(b, kv, 1, D)
+        q = linear(h, attn.q_proj).view(b, -1, 1, D)  # [b, H, 1, D]
+        k = linear(h, attn.k_proj).view(b, kv_heads, 1, D)  # [b, kv, 1, D]
+        v = linear(h, attn.v_proj).view(b, kv_heads, 1, D)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys, values = cache.update(k, v, i)  # [b, kv, S, D]: the new position written in place
-        q = q.view(b, kv, -1, D)  # [b, kv, g, D]: the g query heads that share each KV head
-        o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
-                                                             scale=att.scaling)  # [b, kv, g, D]
-        x = x + mm(o.reshape(b, -1), att.o_proj)  # [b, h]
+        q = q.view(b, kv_heads, -1, D)  # [b, kv, g, D]: the g query heads that share each KV head
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
+                                                               scale=attn.scaling)  # [b, kv, g, D]
+        x = x + linear(out.reshape(b, -1), attn.o_proj)  # [b, h]
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
-        x = x + mm(mlp.act_fn(mm(h, mlp.gate_proj)) * mm(h, mlp.up_proj), mlp.down_proj)
-    return mm(dec.norm(x), model.lm_head)  # [b, V]
+        x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+    return linear(decoder.norm(x), model.lm_head)  # [b, V]
 
 
 def decode_step_transposed(model, tok, pos, mask, cache) -> torch.Tensor:
@@ -693,11 +712,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         M = h.shape[0]
         logp = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
         entropy = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
-        for s in range(0, M, chunk):
-            z = F.linear(h[s:s + chunk], weight, bias).float() / temperature  # [c, V]
-            lsm = torch.log_softmax(z, dim=-1)  # [c, V]
-            logp[s:s + chunk] = lsm.gather(-1, targets[s:s + chunk, None])[:, 0]
-            entropy[s:s + chunk] = -(lsm.exp() * lsm).sum(-1)
+        for start in range(0, M, chunk):
+            end = start + chunk
+            z = F.linear(h[start:end], weight, bias).float() / temperature  # [c, V]
+            log_p = torch.log_softmax(z, dim=-1)  # [c, V]
+            logp[start:end] = log_p.gather(-1, targets[start:end, None])[:, 0]
+            entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
         ctx.save_for_backward(h, weight, bias, targets)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -708,24 +728,25 @@ class _ChunkedLogprobs(torch.autograd.Function):
         h, weight, bias, targets = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        gh = torch.empty_like(h) if want_h else None  # [M, d]
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None  # [V, d]
-        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None  # [V]
+        grad_h = torch.empty_like(h) if want_h else None  # [M, d]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None  # [V, d]
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None  # [V]
         if g_logp is None:
             g_logp = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            hc, t, g = h[s:s + chunk], targets[s:s + chunk], g_logp[s:s + chunk]
-            z = F.linear(hc, weight, bias).float() / T  # [c, V] recomputed
+        for start in range(0, h.shape[0], chunk):
+            end = start + chunk
+            h_chunk, target, g = h[start:end], targets[start:end], g_logp[start:end]
+            z = F.linear(h_chunk, weight, bias).float() / T  # [c, V] recomputed
             dz = torch.softmax(z, dim=-1) * -g[:, None]  # [c, V] -p * g
-            dz.scatter_add_(-1, t[:, None], g[:, None])  # (onehot - p) * g
-            dl = (dz / T).to(h.dtype)  # [c, V] d logits, through z = logits / T and the float cast
+            dz.scatter_add_(-1, target[:, None], g[:, None])  # (onehot - p) * g
+            d_logits = (dz / T).to(h.dtype)  # [c, V] through z = logits / T and the float cast
             if want_h:
-                gh[s:s + chunk] = dl @ weight  # [c, d]
+                grad_h[start:end] = d_logits @ weight  # [c, d]
             if want_w:
-                gw += (dl.t() @ hc).float()  # [V, d]
+                grad_w += (d_logits.t() @ h_chunk).float()  # [V, d]
             if want_b:
-                gb += dl.float().sum(0)
-        return (gh, gw.to(weight.dtype) if want_w else None, gb.to(bias.dtype) if want_b else None,
+                grad_b += d_logits.float().sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if want_w else None, grad_b.to(bias.dtype) if want_b else None,
                 None, None, None)
 
 
@@ -738,6 +759,37 @@ def chunked_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch
         empty = h.new_zeros(0, dtype=torch.float32)
         return empty + h.sum() * 0, empty  # keeps the graph when no position is scored here
     return _ChunkedLogprobs.apply(h, weight, bias, targets, temperature, max(1, chunk))
+
+
+def action_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], pad_id: int, targets: torch.Tensor,
+                    mask: torch.Tensor, temperature: float, chunk: int, first_cols: torch.Tensor | None = None):
+    """The trainer's log-probs of actions, as flow_grpo.token_logprobs' plain path computes
+    them, without its [n, La, V] logits. Row i is seqs[i] = prompt + action, prompt_lens[i]
+    long; targets, mask [n, La] hold the action tokens right-aligned. Returns (logp [n, La]:
+    log softmax(logits / temperature)[target] at every masked position, entropy [n, La] of
+    that softmax, no gradient, z0 [n, V]: the float32 logits at column first_cols[i] of each
+    row, or None). Columns first_cols are left at 0 in logp and entropy: the caller scores
+    them under their own distribution.
+
+    The hidden states at action positions come from `prefill` (text the rows share runs
+    once: the module's instructions for all rows, the whole prompt for the G actions
+    sampled from it), and chunked_logprobs runs the output layer over `chunk` positions at
+    a time, recomputing each chunk's logits in the backward pass."""
+    n, La = mask.shape
+    dev = mask.device
+    h, _ = prefill(model, seqs, pad_id, None, La + 1, [p - 1 for p in prompt_lens], hidden=True)
+    h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
+    scored = mask.bool()  # [n, La] positions scored at `temperature`
+    rows = torch.arange(n, device=dev)  # [n]
+    if first_cols is not None:
+        scored[rows, first_cols] = False
+    at = scored.nonzero(as_tuple=True)
+    head = model.get_output_embeddings()
+    lp, ent = chunked_logprobs(h[at], head.weight, head.bias, targets[at], temperature, chunk)  # [M] each
+    logp = torch.zeros((n, La), device=dev).index_put(at, lp)  # [n, La]
+    entropy = torch.zeros((n, La), device=dev).index_put(at, ent)
+    z0 = head(h[rows, first_cols]).float() if first_cols is not None else None  # [n, V]
+    return logp, entropy, z0
 
 
 # ----------------------------------------------------------------------------------------

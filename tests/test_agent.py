@@ -279,19 +279,19 @@ def test_planner_reads_the_memory_as_what_each_step_found(tiny_llm):
     tr = _after("Local_Search", "Orsk: a town of 900 people.", "Double the population of Orsk.")
     tr.memory.add("compute", "Python_Coder", "print(900 * 2)", "", "line 1: NameError: name 'x' is not defined")
     tr.memory.add("?", "", "", "", "no known tool in the plan")
-    assert agent._found(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
+    assert agent.planner_view(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
                                        "- code printed: line 1: NameError: name 'x' is not defined\n"
                                        "- a step without a tool gave: no known tool in the plan")
     # v^t is part of M^{t+1}: a turn the verifier continued says what it found still open,
     # in the words of the tool's check, or in general words after a tool without one.
     tr.memory.records[0].verdict, tr.memory.records[1].verdict = "continue", "continue"
     tr.memory.records[2].verdict = "stop"
-    assert agent._found(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
+    assert agent.planner_view(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
                                        "- the check said: a calculation is still needed\n"
                                        "- code printed: line 1: NameError: name 'x' is not defined\n"
                                        "- the check said: the question is not answered yet\n"
                                        "- a step without a tool gave: no known tool in the plan")
-    assert agent._found(_after("Local_Search", "", "q").memory.__class__(800, 300)) == "- nothing yet"
+    assert agent.planner_view(_after("Local_Search", "", "q").memory.__class__(800, 300)) == "- nothing yet"
     agent.stop_token, agent.check_system = -1, {}  # the verifier never stops: two turns
     trajs = agent.rollout(["Compute 48213 * 9127."], seed=1)
     second = tiny_llm.tok.decode(trajs[0].turns[1].prompt_ids)

@@ -4,7 +4,7 @@ evaluation writes what one process writes, and resumes; a resumed 2-rank run rea
 the uninterrupted one's weights.
 
 "The same rollouts": rank r rolls out its whole groups (ranks.World.shard) with seed
-train.rollout_seed(step seed, r). The sampler's random stream depends on which rows share
+derive_seed("rank", step seed, r) (support/seeds.py). The sampler's random stream depends on which rows share
 a batch, so one process given all Q queries in one batch draws other tokens; the
 reference process here rolls out the same two parts, each with its rank's seed, and
 then trains on all of them at once, as one process does (tests/dist_runner.py runs the
@@ -26,6 +26,7 @@ import eval as evaluation
 import train
 from agentflow import AgentSystem
 from support.config import load_config
+from support.seeds import derive_seed
 from test_train import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def runs(tiny_model_dir, tmp_path_factory):
             out = []
             for r in range(2):
                 part = ranks.World(rank=r, size=2).shard(len(queries) // G)
-                out += real(self, queries[part.start * G:part.stop * G], seed=train.rollout_seed(seed, r),
+                out += real(self, queries[part.start * G:part.stop * G], seed=derive_seed("rank", seed, r),
                             max_turns=max_turns)
             return out
         with pytest.MonkeyPatch.context() as split:

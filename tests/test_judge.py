@@ -18,8 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from support.run_log import judge_counts  # noqa: E402
 from judge import (KINDS, Judge, LLMJudge, check_game24, date_key, engine_generate, extract_answer,  # noqa: E402
-                   gold_aliases, judge_counts, normalize_text, parse_number, score, score_item, token_f1)
+                   gold_aliases, normalize_text, parse_number, score, score_item, token_f1)
 
 MEDQA_OPTIONS = ["A. Hemolytic uremic syndrome", "B. Oral ulcers", "C. Colorectal cancer", "D. Pancreatic cancer"]
 

@@ -1,4 +1,4 @@
-"""optim.py: bf16 weights train at the paper's lr through fp32 masters; float32 models
+"""support/optim.py: bf16 weights train at the paper's lr through fp32 masters; float32 models
 keep the plain AdamW. A tiny random Qwen2 with a 256-token vocabulary keeps each step
 to milliseconds (the optimizer does not care what the tokens mean)."""
 
@@ -32,18 +32,25 @@ def backward(model):
 
 
 def train(model, steps, masters_too=True, max_grad_norm=1.0):
+    """The optimizer after `steps` steps: ours, or (masters_too=False) AdamW stepping the
+    model's own weights, whatever their dtype."""
     params = list(model.parameters())
-    opt, masters = optim.make_optimizer(params, LR) if masters_too else (torch.optim.AdamW(params, lr=LR), None)
+    if masters_too:
+        opt = optim.PlannerOptimizer(params, LR)
+        step = lambda: opt.step(max_grad_norm)
+    else:
+        opt = torch.optim.AdamW(params, lr=LR)
+        step = lambda: (torch.nn.utils.clip_grad_norm_(params, max_grad_norm), opt.step(), opt.zero_grad())
     for _ in range(steps):
         backward(model)
-        optim.step(opt, masters, None, max_grad_norm)
-    return opt, masters
+        step()
+    return opt
 
 
 def test_fp32_models_keep_the_plain_adamw(bf16_model):
     model = copy.deepcopy(bf16_model).float()
-    opt, masters = optim.make_optimizer(list(model.parameters()), LR)
-    assert masters is None and opt.param_groups[0]["params"][0] is next(model.parameters())
+    opt = optim.PlannerOptimizer(list(model.parameters()), LR)
+    assert opt.masters is None and opt.adamw.param_groups[0]["params"][0] is next(model.parameters())
 
 
 def test_bf16_weights_move_at_the_papers_lr(bf16_model):
@@ -54,7 +61,7 @@ def test_bf16_weights_move_at_the_papers_lr(bf16_model):
     where bf16 resolves any step, so they move either way.)"""
     start = {n: p.detach().clone() for n, p in bf16_model.named_parameters()}
     ours, plain = copy.deepcopy(bf16_model), copy.deepcopy(bf16_model)
-    _, masters = train(ours, 60)
+    masters = train(ours, 60).masters
     train(plain, 60, masters_too=False)
     for (name, p), m, q in zip(ours.named_parameters(), masters.masters, plain.parameters()):
         if "embed" in name:
@@ -75,7 +82,8 @@ def test_the_master_update_is_the_fp32_adamw_update(bf16_model):
     weight). So the update matches an fp32 reference exactly where it can: all that is
     lost is the final rounding into bf16."""
     model = copy.deepcopy(bf16_model)
-    opt, masters = optim.make_optimizer(list(model.parameters()), LR)
+    opt = optim.PlannerOptimizer(list(model.parameters()), LR)
+    masters = opt.masters
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
     ref_opt = torch.optim.AdamW(ref, lr=LR)
     for _ in range(5):
@@ -85,7 +93,7 @@ def test_the_master_update_is_the_fp32_adamw_update(bf16_model):
         torch.nn.utils.clip_grad_norm_(ref, 1.0)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        optim.step(opt, masters, None, 1.0)
+        opt.step(1.0)
     for p, m, r in zip(model.parameters(), masters.masters, ref):
         assert torch.equal(m, r)
         assert torch.equal(p, r.to(torch.bfloat16))
@@ -97,7 +105,7 @@ def test_the_update_follows_an_fp32_model(bf16_model):
     tensor, measured 0.991-0.9999). Not closer: the bf16 forward's gradients differ by
     ~1% and Adam's step, g / sqrt(v), amplifies that on entries whose gradient is noise."""
     ours, fp32 = copy.deepcopy(bf16_model), copy.deepcopy(bf16_model).float()
-    _, masters = train(ours, 60)
+    masters = train(ours, 60).masters
     train(fp32, 60)
     for (name, p0), m, r in zip(bf16_model.named_parameters(), masters.masters, fp32.parameters()):
         dm, dr = (m - p0.float()).detach(), (r - p0.float()).detach()
@@ -109,7 +117,8 @@ def test_the_update_follows_an_fp32_model(bf16_model):
 
 def test_gradients_accumulate_in_fp32_and_bf16_grads_are_freed(bf16_model):
     model = copy.deepcopy(bf16_model)
-    opt, masters = optim.make_optimizer(list(model.parameters()), LR)
+    opt = optim.PlannerOptimizer(list(model.parameters()), LR)
+    masters = opt.masters
     params = list(model.parameters())
     parts = [torch.autograd.grad(model(input_ids=ids, labels=ids).loss, params) for ids in IDS]  # no hooks fire
     backward(model)  # the two micro-batches, through the hooks
@@ -118,19 +127,18 @@ def test_gradients_accumulate_in_fp32_and_bf16_grads_are_freed(bf16_model):
         assert torch.equal(m.grad, g1.float() + g2.float())
     # The clip acts on what the optimizer steps: the masters' gradients.
     norm = torch.cat([m.grad.flatten() for m in masters.masters]).norm()
-    assert optim.step(opt, masters, None, 1e-3) == pytest.approx(float(norm), rel=1e-5)
+    assert opt.step(1e-3) == pytest.approx(float(norm), rel=1e-5)
     assert all(m.grad is None for m in masters.masters)  # freed right after the step
 
 
 def test_masters_round_trip(bf16_model, tmp_path):
     model = copy.deepcopy(bf16_model)
-    opt, masters = train(model, 3)
-    torch.save({"masters": masters.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "state.pt")
+    opt = train(model, 3)
+    torch.save(opt.state_dict(), tmp_path / "state.pt")
     fresh = copy.deepcopy(bf16_model)
-    opt2, masters2 = optim.make_optimizer(list(fresh.parameters()), LR)
-    state = torch.load(tmp_path / "state.pt")
-    masters2.load_state_dict(state["masters"])
-    opt2.load_state_dict(state["optimizer"])
-    for a, b, p, q in zip(masters.masters, masters2.masters, model.parameters(), fresh.parameters()):
+    opt2 = optim.PlannerOptimizer(list(fresh.parameters()), LR)
+    opt2.load_state_dict(torch.load(tmp_path / "state.pt"))
+    for a, b, p, q in zip(opt.masters.masters, opt2.masters.masters, model.parameters(), fresh.parameters()):
         assert torch.equal(a, b) and torch.equal(p, q)
-    assert opt2.state[masters2.masters[0]]["exp_avg"].dtype == torch.float32
+    assert opt2.adamw.state[opt2.masters.masters[0]]["exp_avg"].dtype == torch.float32
+    assert opt2.lr == opt.lr and opt2.schedule.last_epoch == 3

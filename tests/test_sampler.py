@@ -112,7 +112,7 @@ def test_plain_path_equals_fast_path(tiny_llm):
 
 
 def test_bench_concat_cache_samples_what_the_in_place_cache_samples(tiny_llm):
-    """speed_bench.py's kv_cache_in_place_speedup compares equal work: with each new position
+    """scripts.speed_bench's kv_cache_in_place_speedup compares equal work: with each new position
     concatenated onto the cache (speed_bench.ConcatLayer), the sampler draws the same tokens."""
     from unittest.mock import patch
 
@@ -121,7 +121,7 @@ def test_bench_concat_cache_samples_what_the_in_place_cache_samples(tiny_llm):
     prompts = prompts_for(tiny_llm) * 2
     hot = SamplingParams(1.0, max_new_tokens=9)
     ours = tiny_llm.sample(prompts, hot, seed=5)
-    with patch.object(speed, "roomy_cache", speed_bench.concat_cache):
+    with patch.object(speed, "preallocated_cache", speed_bench.concat_cache):
         theirs = tiny_llm.sample(prompts, hot, seed=5)
     assert [s.ids for s in ours] == [s.ids for s in theirs]
     assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
@@ -196,18 +196,18 @@ def test_empty_batch(tiny_llm):
     assert tiny_llm.sample([], SamplingParams(1.0, 4)) == []
 
 
-def test_roomy_cache_equals_dynamic_cache(tiny_llm):
+def test_preallocated_cache_equals_dynamic_cache(tiny_llm):
     """The sampler's in-place cache gives the same logits as Hugging Face's DynamicCache
     through a shared prefix (repeat), dropped rows (moved down inside the same buffer),
     and growth past its capacity."""
     from transformers import DynamicCache
 
-    from support.speed import prefill, roomy_cache
+    from support.speed import preallocated_cache, prefill
 
     model = tiny_llm.model
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (i + 1) for i in range(4)]  # shared prefix of 9
     outs = []
-    for cache in (DynamicCache(), roomy_cache()):
+    for cache in (DynamicCache(), preallocated_cache()):
         with torch.no_grad():
             logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
             steps = [logits[:, -1]]
@@ -264,12 +264,12 @@ def tiny_qwen2(vocab_size: int):
 def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
     """decode_step (the decoder written out for one position) gives the logits of the
     model's own forward, step after step, on left-padded rows behind a shared prefix."""
-    from support.speed import decode_step, prefill, roomy_cache
+    from support.speed import decode_step, preallocated_cache, prefill
 
     model = tiny_llm.model if arch == "llama" else tiny_qwen2(tiny_llm.model.config.vocab_size)
     assert model.config.model_type == arch
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (2 * i + 1) for i in range(4)]  # lengths differ
-    caches = {"ours": roomy_cache(), "hf": roomy_cache()}
+    caches = {"ours": preallocated_cache(), "hf": preallocated_cache()}
     with torch.no_grad():
         for name, cache in caches.items():
             logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
@@ -377,26 +377,26 @@ def test_length_groups_is_the_cheapest_split():
 BASE = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # the prefix every row of the layout tests shares
 
 
-@pytest.mark.parametrize("families", [False, True])
-def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
-    """Rows of very different lengths run as separate groups behind the shared prefix
-    (and, with `families`, rows that share more run that part once per family); the
+@pytest.mark.parametrize("shared", [False, True])
+def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, shared):
+    """Rows of very different lengths run as separate batches behind the shared prefix
+    (and, with `shared`, rows that share more run that part once per shared group); the
     logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
     of the one left-padded batch where each row computes all of its own tokens."""
     from support import speed
-    from support.speed import decode_step, length_groups, prefill, roomy_cache, shared_families
+    from support.speed import decode_step, length_groups, preallocated_cache, prefill, shared_text_groups
 
     model = tiny_llm.model
-    if families:  # rows 0, 1 share 12 more tokens, rows 2, 3 share 10; row 4 shares nothing more
+    if shared:  # rows 0, 1 share 12 more tokens, rows 2, 3 share 10; row 4 shares nothing more
         heads = [list(range(30, 42))] * 2 + [list(range(50, 60))] * 2 + [[]]
         shareable = [len(BASE) + len(h) + n - 1 for h, n in zip(heads, [1, 60, 3, 58, 2])]  # all but the last
     else:
         heads, shareable = [[]] * 5, [8] * 5
     prompts = [BASE + h + [20 + i] * n for i, (h, n) in enumerate(zip(heads, [1, 60, 3, 58, 2]))]
-    fams = shared_families(prompts, shareable, min(len(BASE), min(shareable)))
-    assert fams == ([([0, 1], 12), ([2, 3], 10)] if families else [])
+    groups = shared_text_groups(prompts, shareable, min(len(BASE), min(shareable)))
+    assert groups == ([([0, 1], 12), ([2, 3], 10)] if shared else [])
     own = [len(p) - len(BASE) - len(h) for p, h in zip(prompts, heads)]  # tokens each row runs itself
-    if not families:
+    if not shared:
         own = [n + 1 for n in own]  # the prefix is capped at 8: the 9th token runs with each row
     assert len(length_groups(own)) == 2
     real = torch.tensor([[float(j >= 6 - n) for j in range(6)] for n in own])  # [5, 6] 1 = a computed logit
@@ -408,10 +408,10 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
         for name in ("shared", "one batch"):
             if name == "one batch":
                 monkeypatch.setattr(speed, "length_groups", lambda lengths: [list(range(len(lengths)))])
-                monkeypatch.setattr(speed, "shared_families", lambda seqs, shareable, P: [])
+                monkeypatch.setattr(speed, "shared_text_groups", lambda seqs, shareable, P: [])
             tokens.clear()
             with torch.no_grad():
-                cache = roomy_cache()
+                cache = preallocated_cache()
                 logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable)
                 steps, tok, pos = [logits[:, -1]], logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
                 for _ in range(5):
@@ -428,43 +428,43 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, families):
         hook.remove()
     model.zero_grad()
     (a_steps, a_wide, a_grad, a_tok), (b_steps, b_wide, b_grad, b_tok) = runs["shared"], runs["one batch"]
-    assert a_tok < b_tok, (a_tok, b_tok)  # pads skipped; with families, shared text run once
+    assert a_tok < b_tok, (a_tok, b_tok)  # pads skipped; with shared groups, shared text run once
     for a, b in zip(a_steps, b_steps):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert torch.allclose(a_wide, b_wide, atol=1e-5)
-    # The gradient sums the same terms in another order (a family's shared keys collect
+    # The gradient sums the same terms in another order (a shared group's keys collect
     # the gradients of all its rows): float32 noise relative to each tensor's scale (the
     # embedding's reaches ~15). In float64 each row's gradient agrees to ~1e-18.
     for a, b in zip(a_grad, b_grad):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp(min=1), (a - b).abs().max()
 
 
-def test_sampler_with_families_equals_naive(tiny_llm):
+def test_sampler_with_shared_text_groups_equals_naive(tiny_llm):
     """Verifier-like prompts: the G rows of a query share the question, then their
     memories differ. The sampler runs each question once; greedy tokens and log-probs
     are those of recomputing every row alone."""
-    from support.speed import common_prefix_len, shared_families
+    from support.speed import common_prefix_len, shared_text_groups
 
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
-    fams = shared_families(q, [len(p) - 1 for p in q], common_prefix_len(q))
-    assert [rows for rows, _ in fams] == [[0, 1], [2, 3]]  # beyond the prefix all four share
+    groups = shared_text_groups(q, [len(p) - 1 for p in q], common_prefix_len(q))
+    assert [rows for rows, _ in groups] == [[0, 1], [2, 3]]  # beyond the prefix all four share
     check_against_naive(tiny_llm, q, n=8)
 
 
-def test_shared_families():
+def test_shared_text_groups():
     """Rows group by what they share beyond the common prefix P, within `shareable`."""
-    from support.speed import MIN_SHARED, shared_families
+    from support.speed import MIN_SHARED, shared_text_groups
 
     q = list(range(100, 100 + MIN_SHARED + 4))  # a question: MIN_SHARED + 4 tokens
     seqs = [[1] * 10 + q + [7], [1] * 10 + [2] * 30, [1] * 10 + q + [8, 9], [1] * 10 + q + [7, 5]]
     long = [len(s) - 1 for s in seqs]
-    assert shared_families(seqs, long, 10) == [([0, 2, 3], len(q))]
-    # Rows 0 and 3 share one more token; a family's part is what ALL its rows share.
-    assert shared_families([seqs[0] + [4], seqs[3]], [len(seqs[0]), len(seqs[3]) - 1], 10) == [([0, 1], len(q) + 1)]
-    # `shareable` caps the part: row 0 may share only MIN_SHARED - 1 tokens beyond P: no family.
-    assert shared_families(seqs, [10 + MIN_SHARED - 1] + long[1:], 10) == [([2, 3], len(q))]
-    assert shared_families(seqs, long, 10 + len(q)) == []  # beyond the question nothing is shared
+    assert shared_text_groups(seqs, long, 10) == [([0, 2, 3], len(q))]
+    # Rows 0 and 3 share one more token; a group's shared part is what ALL its rows share.
+    assert shared_text_groups([seqs[0] + [4], seqs[3]], [len(seqs[0]), len(seqs[3]) - 1], 10) == [([0, 1], len(q) + 1)]
+    # `shareable` caps the part: row 0 may share only MIN_SHARED - 1 tokens beyond P: no group.
+    assert shared_text_groups(seqs, [10 + MIN_SHARED - 1] + long[1:], 10) == [([2, 3], len(q))]
+    assert shared_text_groups(seqs, long, 10 + len(q)) == []  # beyond the question nothing is shared
 
 
 def test_a_model_decode_step_does_not_cover(tiny_llm):
@@ -532,7 +532,7 @@ def test_sub_batches_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
     split = llm.sample(prompts, params)
     assert llm.sub_batches_run >= 3 and sum(n for n, _ in caches) == len(prompts)
     for n, cache in caches:
-        held = sum(l.k_store.numel() * 4 + l.v_store.numel() * 4 for l in cache.layers)
+        held = sum(layer.k_buffer.numel() * 4 + layer.v_buffer.numel() * 4 for layer in cache.layers)
         assert held + n * per_row <= budget, (held, budget)
     for a, b in zip(one, split):
         assert a.ids == b.ids and a.finish == b.finish
@@ -541,12 +541,12 @@ def test_sub_batches_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
 
 
 def test_the_cache_is_allocated_once_at_its_final_size(tiny_llm, monkeypatch):
-    """Prefix repeat, identical prompts spread to their copies, groups and families laid
+    """Prefix repeat, identical prompts spread to their copies, batches and shared groups laid
     out, rows dropped: all inside the buffers allocated at the first update, never moved."""
     from support import speed
 
     moves = []
-    monkeypatch.setattr(speed.RoomyLayer, "_move", lambda self, *a: moves.append(a))
+    monkeypatch.setattr(speed.PreallocatedLayer, "_move", lambda self, *a: moves.append(a))
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
     long = tiny_llm.chat_ids(SYSTEM, "word " * 60, "Tool:")
@@ -558,7 +558,7 @@ def test_the_cache_is_allocated_once_at_its_final_size(tiny_llm, monkeypatch):
 
 def test_a_prefill_token_cap(tiny_llm):
     """With prefill_tokens set, no prefill forward runs more than that many new tokens
-    (long texts run in pieces, groups with fewer rows), and greedy results stay those
+    (long texts run in pieces, batches with fewer rows), and greedy results stay those
     of full recomputation."""
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
@@ -603,7 +603,7 @@ def test_looking_every_8_tokens_equals_every_token(tiny_llm):
 
 
 @pytest.mark.parametrize("cap", [None, 40])
-def test_families_without_a_common_prefix(tiny_llm, cap):
+def test_shared_groups_without_a_common_prefix(tiny_llm, cap):
     """Rows that share text in pairs but nothing all together (no prefix run once), with
     and without a prefill cap: greedy tokens and log-probs of full recomputation."""
     q1, q2 = list(range(30, 42)), list(range(50, 60))

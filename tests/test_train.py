@@ -227,8 +227,7 @@ def fake_trajectories(turns_per_traj, rewards):
 
 
 def test_kept_rows_keeps_the_weights_of_J_for_what_remains():
-    from flow_grpo import build_rows, group_advantages
-    from train import kept_rows
+    from flow_grpo import build_rows, group_advantages, kept_rows
     G, turns = 4, [1, 2, 3, 1, 2, 2, 1, 3, 1, 1, 2, 3]
     rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     # Nothing left out: exactly the rows of the whole batch (the path every offline run takes).
@@ -340,7 +339,7 @@ def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
     """One copy of each frozen weight: pi_ref holds the policy's own tensors for them and
     copies only the trained ones, which keep their initial values while the policy's move."""
     from support.models import load_model
-    from support.optim import frozen_reference, make_optimizer, select_trainable
+    from support.optim import PlannerOptimizer, frozen_reference, select_trainable
 
     model, _ = load_model(tiny_model_dir, "cpu", "float32")
     trained = select_trainable(model, 1)
@@ -350,10 +349,10 @@ def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.data_ptr() == q.data_ptr()) == (id(p) not in ids), name
         assert not q.requires_grad
-    opt, _ = make_optimizer(trained, lr=1e-2)
+    opt = PlannerOptimizer(trained, lr=1e-2)
     x = torch.randint(0, 100, (2, 8))
     model(input_ids=x, labels=x).loss.backward()
-    opt.step()
+    opt.step(max_grad_norm=1e9)
     for (name, q), p in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(q, start[name]), name  # the reference did not move
         if id(p) in ids:
@@ -363,23 +362,23 @@ def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
 def test_a_bf16_checkpoint_restores_the_masters(tiny_model_dir, tmp_path):
     """trainer_state.pt holds the fp32 masters: a resume continues from them, not from
     their bf16 rounding (which would lose every update below half a bf16 step)."""
+    from support.checkpoints import resume, save_checkpoint
     from support.models import load_model
-    from support.optim import make_optimizer, select_trainable, step
+    from support.optim import PlannerOptimizer, select_trainable
 
     def build():
         model, tok = load_model(tiny_model_dir, "cpu", "bfloat16")
-        opt, masters = make_optimizer(select_trainable(model, 1), lr=1e-4)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
-        return model, tok, opt, masters, sched
+        return model, tok, PlannerOptimizer(select_trainable(model, 1), lr=1e-4)
 
-    model, tok, opt, masters, sched = build()
+    model, tok, opt = build()
     x = torch.randint(0, 100, (2, 8))
     for _ in range(2):
         model(input_ids=x, labels=x).loss.backward()
-        step(opt, masters, sched, 1.0)
-    train.save_checkpoint(tmp_path, 2, model, tok, opt, sched, masters)
-    model2, _, opt2, masters2, sched2 = build()
-    assert train.resume(tmp_path, model2, opt2, sched2, masters2) == 2
+        opt.step(1.0)
+    save_checkpoint(tmp_path, 2, model, tok, opt)
+    model2, _, opt2 = build()
+    assert resume(tmp_path, model2, opt2) == 2
+    masters, masters2 = opt.masters, opt2.masters
     for a, b in zip(masters.masters, masters2.masters):
         assert torch.equal(a, b) and a.dtype == torch.float32
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters2.masters)  # finer than bf16
