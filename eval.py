@@ -187,10 +187,10 @@ def build_agent(cfg: dict, model_path: str | None = None, world=ranks.SINGLE):
     return AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
 
 
-def arguments(description: str) -> argparse.ArgumentParser:
+def arguments(description: str, prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of eval.py and of the commands that probe a planner on a benchmark
     file (scripts/probe_tools.py): the file, the config and its overrides, the planner."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--benchmark", required=True, help="a JSON benchmark file or a JSONL task file")
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--limit", type=int, default=0, help="only the first N items (0 = all)")

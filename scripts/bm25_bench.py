@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository: where each worker process runs
 
 
 def make_corpus(path: Path, n: int, seed: int = 0, vocab: int = 2_000_000, words: int = 100) -> None:
@@ -92,7 +92,6 @@ def _du_mb(path: Path) -> float:
 
 
 def worker_ours(corpus: Path, work: Path, queries: list[str]) -> dict:
-    sys.path.insert(0, str(ROOT))
     from support.bm25 import DiskBM25, build_index
     t = time.perf_counter()
     build_index(corpus, work / "ours", progress=False)
@@ -148,7 +147,7 @@ def worker_bm25s(corpus: Path, work: Path, queries: list[str]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.bm25_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--passages", type=int, default=1_000_000)
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
@@ -181,8 +180,8 @@ def main() -> int:
             except ImportError:
                 print("bm25s: not installed (pip install bm25s to compare)")
                 continue
-        done = subprocess.run([sys.executable, __file__, "--worker", name, "--dir", str(work)],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "scripts.bm25_bench", "--worker", name, "--dir", str(work)],
+                              capture_output=True, text=True, cwd=ROOT)
         if done.returncode:
             print(f"{name}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
             continue

@@ -359,7 +359,7 @@ def write(out_dir="data", seed=0):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.make_tasks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="data", help="directory for the .jsonl files")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args()

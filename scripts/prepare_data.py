@@ -359,7 +359,7 @@ def write(outputs: dict, dry_run: bool) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Download the paper's training mix (NQ + DeepMath-103K) and the "
+    ap = argparse.ArgumentParser(prog="python -m scripts.prepare_data", description="Download the paper's training mix (NQ + DeepMath-103K) and the "
                                  "gated GAIA / GPQA evaluation sets, and convert them to this project's "
                                  "formats.", epilog="GAIA and GPQA are gated: accept their terms on the hub "
                                  "and log in (hf auth login) or set HF_TOKEN.")

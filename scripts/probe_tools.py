@@ -93,7 +93,7 @@ def tool_gradients(agent, items: list[Item], max_turns: int, train_layers: int, 
     1 everywhere say a step moves every kind's margin alike: training can then only shift
     the margins together, the boundary settles between the kinds whose rewards pull apart,
     and a kind keeps the side its starting margin puts it on. That is the default's
-    two_step: its margin starts next to arithmetic's (docs/LOG.md, issue 12). Gradients in
+    two_step: its margin starts next to arithmetic's (docs/LOG.md, 2026-12-03). Gradients in
     the model's dtype, products in float32. {"tools", "kinds", "n", "margin", "effect", "ratio"}"""
     model = agent.planner.model
     params = select_trainable(model, train_layers)
@@ -147,7 +147,8 @@ def print_tool_gradients(label: str, g: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = evaluation.arguments("Probe a planner's choice of its first tool, without rollouts.")
+    ap = evaluation.arguments("Probe a planner's choice of its first tool, without rollouts.",
+                              prog="python -m scripts.probe_tools")
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--tool-probs", action="store_true", help="each planner's turn-1 probabilities over the "
                       "tools per task kind; writes OUT/tool_probs.json")

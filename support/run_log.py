@@ -53,7 +53,7 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
     failures kept out of the update, the judges, the update's statistics, times (a step
     waits for its slowest rank)."""
     hits, sub_batches = (now - before for now, before in zip(engine_counters(agent), counters_before))
-    parts = world.all_gather({
+    per_rank = world.all_gather({
         "rewards": [tr.reward for tr in trajs if tr.reward is not None],
         "group_rewards": [[trajs[k].reward for k in g] for g in groups],
         "turns": [len(tr.turns) for tr in trajs], "tools": [tr.tools_used for tr in trajs],
@@ -61,12 +61,12 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
         "model_errors": sum(1 for tr in trajs for r in tr.memory.records if r.tool and r.error and not r.infra),
         "verdicts": [{k: v[k] for k in ("judge", "judge_error") if k in v} for v in verdicts if v is not None],
         "hits": hits, "sub_batches": sub_batches, "times": times})
-    every = lambda key: [x for p in parts for x in p[key]]
+    every = lambda key: [x for p in per_rank for x in p[key]]
     rewards, group_rewards, turns = every("rewards"), every("group_rewards"), every("turns")
     tool_calls = Counter(tool for used in every("tools") for tool in used)
     n_calls = sum(tool_calls.values())
-    model_errors = sum(p["model_errors"] for p in parts)
-    times = [max(p["times"][j] for p in parts) for j in range(3)]
+    model_errors = sum(p["model_errors"] for p in per_rank)
+    times = [max(p["times"][j] for p in per_rank) for j in range(3)]
     if not update["optimizer_steps"] and world.main:
         print(f"warning: step {step + 1}: no group kept two rollouts free of infrastructure failures "
               f"({sum(map(bool, every('infra')))} of {len(turns)} hit one); no update", file=sys.stderr)
@@ -81,9 +81,9 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
             "tool_error_rate": model_errors / n_calls if n_calls else 0.0,
             "infra_failures": sum(every("infra")), "excluded_trajectories": len(turns) - sum(map(len, group_rewards)),
             "excluded_groups": n_queries - len(group_rewards),
-            "tool_cache_hits": sum(p["hits"] for p in parts),  # each rank has its own cache
+            "tool_cache_hits": sum(p["hits"] for p in per_rank),  # each rank has its own cache
             "judge": judge_counts(every("verdicts")), **update, "lr": lr,
-            "sampler_sub_batches": sum(p["sub_batches"] for p in parts),
+            "sampler_sub_batches": sum(p["sub_batches"] for p in per_rank),
             "time_rollout": times[0], "time_judge": times[1], "time_update": times[2]}
 
 
