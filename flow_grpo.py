@@ -1,4 +1,4 @@
-"""Flow-GRPO: reward broadcast, group advantages, per-token log-probs and the loss.
+"""Flow-GRPO: group advantages, reward broadcast, per-token log-probs, the loss, the update.
 
 Paper, section 2. Every symbol of the objective lives in this file:
 
@@ -6,7 +6,7 @@ Paper, section 2. Every symbol of the objective lives in this file:
                - beta * KL(pi_theta || pi_ref)
 
     G          rollouts of one query (we average over all N = Q*G trajectories of a batch)
-    T_i        planner turns of trajectory i                     -> build_rows, TurnRow.weight
+    T_i        planner turns of trajectory i                     -> build_rows, kept_rows, TurnRow.weight
     |a_i^t|    tokens of the planner's action at turn t          -> flow_grpo_loss, `n_tok`
     rho_ij^t   pi_theta(token) / pi_theta_old(token)             -> flow_grpo_loss, `ratio`
                pi_theta_old: the trainer's own forward at the weights that sampled (policy_update)
@@ -42,6 +42,11 @@ the trainer's own forward at the sampling weights: with one update per batch (th
 default) it is log pi itself, detached (rho = 1 bit for bit, no extra forward); with
 several it is a no-grad pass before the first step, in the very micro-batches the first
 step will use. The sampler's log-probs stay in TurnRow as a diagnostic (`logprob_gap`).
+
+Simplified: no value model, no entropy bonus, one reference (the frozen initial weights).
+The update's batching (UpdateConfig: micro-batches, a token cap, logits chunks, the
+plain or the fast log-probs of support/speed.py) changes how much memory and time a step
+takes, never what it computes (tests/test_flow_grpo.py).
 """
 
 from dataclasses import dataclass
