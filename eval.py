@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     ap = arguments("Run the AgentFlow agent on a benchmark file and score it.")
     ap.add_argument("--batch-size", type=int, default=0, help="trajectories in lockstep (0 = config)")
     ap.add_argument("--force-tool", default="", help="every planner action picks this tool: what "
-                    "each tool choice is worth (the README's table)")
+                    "each tool choice is worth (docs/RESULTS.md, what stays frozen)")
     ap.add_argument("--sweep", default="", help="turn budgets, e.g. 1,2,3: the paper's test-time analysis. "
                     "Evaluates the configured (frozen) planner and, with --model, the trained one at each "
                     "budget; prints the table and writes OUT_DIR/turn_sweep.json (the run's report shows it)")

@@ -1,6 +1,6 @@
 """Several processes, one device each: the few torch.distributed calls train.py and eval.py make.
 
-    torchrun --nproc_per_node 2 train.py config.yaml          (README: "More than one device")
+    torchrun --nproc_per_node 2 train.py config.yaml          (docs/SCALING.md)
 
 Not part of the paper's method (its runs use 8 GPUs through verl and Ray); what running
 Flow-GRPO on K devices takes with PyTorch's own runtime. Every process ("rank") holds
