@@ -94,3 +94,16 @@ def test_the_check_sees_a_circle_and_an_upward_import(tmp_path):
     assert "support.b imports train: an upward import" in found
     assert "train imports scripts.run: an upward import" in found
     assert any(p.startswith("circle: ") and "support.a" in p and "support.b" in p for p in found), found
+
+
+def test_the_readmes_reading_path_counts_what_is_there():
+    """The README's reading-path table names the method files with their line counts and
+    their total: claims that must move with the code."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)\.py` \|.*\| (\d+) \|$", readme, flags=re.M))
+    assert list(rows) == METHOD
+    counts = {m: len((ROOT / f"{m}.py").read_text().splitlines()) for m in METHOD}
+    assert {m: int(n) for m, n in rows.items()} == counts
+    total = re.search(r"these seven files \(([\d,]+) lines\)", readme).group(1)
+    assert int(total.replace(",", "")) == sum(counts.values())
