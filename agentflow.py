@@ -42,6 +42,7 @@ from transformers import DynamicCache
 from memory import Memory
 from support import speed
 from support.batching import common_prefix_len, left_padded
+from support.config import ConfigError
 from support.device_memory import sampler_sub_batches
 from support.seeds import derive_seed
 from support.text import cut
@@ -441,7 +442,7 @@ class AgentConfig:
     max_turns: int  # T_max
     constrain_tool: bool  # the planner's first token must begin a tool name
     force_tool: str  # "A" or "A,B,...": turn t's action begins with the t-th tool (measurement only)
-    code_start: str  # text every Python_Coder input is forced to begin with, e.g. "print("
+    code_start: str  # text every input of a tool that writes code is forced to begin with, e.g. "print("
     memory_budget_chars: int
     result_chars: int
     planner: SamplingParams
@@ -458,6 +459,20 @@ def agent_config(a: dict) -> AgentConfig:
     return AgentConfig(max_turns=a["max_turns"], constrain_tool=a["constrain_tool"], force_tool=a["force_tool"],
                        code_start=a["code_start"], memory_budget_chars=a["memory_budget_chars"],
                        result_chars=a["result_chars"], **modules)
+
+
+def tool_first_tokens(names: list[str], tok, distinct: bool = True) -> dict[str, int]:
+    """The first token of each tool's name as the planner writes it after "Tool:" (" Python",
+    " Local", ...). With constrain_tool the planner's choice of a tool is a choice among these
+    tokens, so two tools that share one could not be told apart: refused (distinct=True)."""
+    first = {n: tok.encode(" " + n, add_special_tokens=False)[0] for n in names}
+    shared = [[n for n in names if first[n] == t] for t in dict.fromkeys(first.values())]
+    clash = next((ns for ns in shared if len(ns) > 1), None)
+    if distinct and clash:
+        raise ConfigError(f"agent.tools: {' and '.join(clash)} begin with the same token "
+                          f"{tok.decode([first[clash[0]]])!r}, so the planner's first token cannot tell them apart; "
+                          f"rename one so that its first word differs, or set agent.constrain_tool: false")
+    return first
 
 
 def _example_memory(earlier) -> Memory:
@@ -482,8 +497,7 @@ class AgentSystem:
         # tool names (" Python", " Local", ...): the policy over tools becomes a softmax
         # over those few tokens, and the trainer applies the same restriction
         # (flow_grpo.token_logprobs), so log-probs still match exactly.
-        self.first_token = first_token = {n: planner.tok.encode(" " + n, add_special_tokens=False)[0]
-                                          for n in self.tool_names}
+        self.first_token = first_token = tool_first_tokens(self.tool_names, planner.tok, cfg.constrain_tool)
         self.planner_params = replace(cfg.planner, first_tokens=tuple(sorted(set(first_token.values())))
                                       if cfg.constrain_tool else ())
         # With force_tool (eval.py --force-tool), the only allowed first token at turn t is
@@ -622,7 +636,7 @@ class AgentSystem:
     def _execute(self, live, plans, valid, turn, seed) -> dict[int, str]:
         # The tool input starts with `start`: code_start for Python (config.yaml forces
         # "print(" so a 135M model writes one printed expression, not an uncalled def).
-        starts = {i: self.cfg.code_start if plans[i].tool == "Python_Coder" else "" for i in valid}
+        starts = {i: self.cfg.code_start if self.tools[plans[i].tool].writes_code else "" for i in valid}
         prompts = []
         for i in valid:
             tool = self.tools[plans[i].tool]

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
     try:
         return _main(args, cfg, items, out, build_agent(cfg, args.model, world), world)
-    except SandboxError as e:  # raised only while the tools are built: this machine cannot run them
+    except (ConfigError, SandboxError) as e:  # the toolset against the tokenizer; a machine that cannot sandbox
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -108,6 +108,7 @@ class Tool:
     # The reply depends on the command alone (searches; not code, which may draw random
     # numbers or read the clock), so a repeated command may be answered from the cache.
     cacheable = False
+    writes_code = False  # its input is a program: agent.code_start applies to it
     # Its settings (tools.* in the config) with their defaults, and the values a setting
     # may take where they are few; a subclass lists only its own.
     settings = {
@@ -222,6 +223,7 @@ class PythonCoder(Tool):
            "employees."),), "multiply the staff by 8", "print(2604 * 8)\n```"),
     )
     aliases = ("python", "code", "coder", "calculat", "comput")
+    writes_code = True
     settings = {
         "python_timeout_s": 5.0,  # wall-clock limit of one program
         "python_memory_mb": 512,  # address-space limit (RLIMIT_AS)

@@ -93,6 +93,9 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         run(cfg)
+    except ConfigError as e:  # what only the model's tokenizer can show (agentflow.tool_first_tokens)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except SandboxError as e:  # raised only while the tools are built: this machine cannot run them
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ DEFAULTS = {
         "max_turns": 3,  # T_max while training (paper: 3; up to 10 at test)
         "constrain_tool": True,  # the planner's first token must begin a tool name (agentflow.py)
         "force_tool": "",  # measurement: "A" or "A,B": turn t's action picks the t-th tool (eval.py --force-tool)
-        "code_start": "",  # text every Python_Coder input must begin with ("print(" for a 135M model)
+        "code_start": "",  # text the input of a tool that writes code (Python_Coder) must begin with ("print(")
         "memory_budget_chars": 1200,  # cap on the rendered memory block
         "result_chars": 400,  # cap on one tool result in memory
         # Sampling per module: temperature (0 = greedy), the token limit, and stop strings

@@ -298,3 +298,23 @@ def test_planner_reads_the_memory_as_what_each_step_found(tiny_llm):
     assert "What the earlier steps found:\n- " in second and "Step 2 of at most 2." in second
     found = second.split("What the earlier steps found:")[1]  # the tool cards above name every tool
     assert not any(name in found for name in NAMES)
+
+
+def test_tools_whose_names_share_a_first_token_are_refused(tiny_llm):
+    """With constrain_tool the planner's tool choice is its first token: "Python_Helper"
+    beside "Python_Coder" would collapse two tools into one choice. Refused when the agent
+    is built, before any rollout, naming both tools and the token."""
+    import pytest
+
+    import tools as toolset
+    from support.config import ConfigError
+
+    class PythonHelper(toolset.BaseGenerator):
+        name = "Python_Helper"
+
+    tools = {**build_tools(NAMES, {"corpus": str(ROOT / "data" / "corpus.jsonl")}), "Python_Helper": PythonHelper()}
+    cfg = agent_config(load_config(None, ["agent.tools=[Python_Coder]"])["agent"])
+    with pytest.raises(ConfigError, match=r"Python_Coder and Python_Helper begin with the same token ' Python'"):
+        AgentSystem(tiny_llm, tiny_llm, tools, cfg)
+    free = agent_config(load_config(None, ["agent.constrain_tool=false"])["agent"])
+    assert AgentSystem(tiny_llm, tiny_llm, tools, free).planner_params.first_tokens == ()  # not constrained: allowed

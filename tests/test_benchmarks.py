@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT))
 from support.datasets import Item, load_benchmark  # noqa: E402
 from judge import check_game24, score  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
+from conftest import SHARED_BENCHMARKS as BENCH  # noqa: E402
+
 needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"benchmark folder {BENCH} is absent")
 
 # file -> (row count, kind of every item)

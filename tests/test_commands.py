@@ -40,3 +40,14 @@ def test_bm25_bench_on_a_tiny_corpus(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     ours = set(re.findall(r"^ours (\w+): \S", r.stdout, flags=re.M))  # our index's figures
     assert {"build_s", "index_disk_mb", "query_ms"} <= ours, r.stdout
+
+
+def test_the_smoke_config_runs_the_whole_pipeline(tmp_path):
+    """configs/smoke.yaml, the check of a fork, as a user runs it: the default model and
+    tools, two steps, a checkpoint and a report, in a fresh process."""
+    import json
+    r = run("train.py", "configs/smoke.yaml", f"out_dir={tmp_path}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2] and all(m["optimizer_steps"] == 1 for m in rows)
+    assert (tmp_path / "checkpoints" / "step_2" / "trainer_state.pt").exists() and (tmp_path / "report.html").exists()
