@@ -45,7 +45,7 @@ from judge import Judge
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.datasets import Item, load_benchmark, read_jsonl
-from support.models import load_model
+from support.models import check_model, load_model
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
 from support.seeds import derive_seed
@@ -77,8 +77,9 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
     with tqdm(total=len(items), initial=len(items) - len(todo), desc=desc, unit="item", disable=not world.main) as bar:
         for first in range(0, len(batches), world.size):  # a round: batch first + r on rank r
             b = first + world.rank
-            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, derive_seed("eval_batch", seed, batches[b][0][0]),
-                               judge or Judge()) if b < len(batches) else [])
+            batch_seed = derive_seed("eval_batch", seed, batches[b][0][0]) if b < len(batches) else None
+            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, batch_seed, judge or Judge())
+                    if b < len(batches) else [])
             rounds = world.gather(rows)  # in rank order: the round's batches in item order
             if world.main:
                 with open(results_path, "a") as f:
@@ -207,6 +208,10 @@ def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], s
     cfg = load_config(args.config, args.overrides + list(extra_overrides))
     preflight(cfg, data=False, model_paths=(args.model,) if args.model else ())
     check_toolset(cfg)
+    problems = check_model("model.name", cfg["model"]["name"])
+    problems += check_model("--model", args.model) if args.model else []
+    if problems:
+        raise ConfigError("\n".join(problems))
     items = load_benchmark(args.benchmark, limit=args.limit or None)
     return cfg, items, args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
 

@@ -57,7 +57,7 @@ from support.checkpoints import resume, save_checkpoint
 from support.config import ConfigError, load_config, preflight
 from support.datasets import load_benchmark
 from support.device_memory import PlanError, plan_for
-from support.models import load_model
+from support.models import check_model, load_model
 from support.optim import PlannerOptimizer, frozen_reference, select_trainable
 from support.provenance import note_run, record_run
 from support.run_log import (append_metrics, engine_counters, print_learning_table, refresh_report, step_metrics,
@@ -85,6 +85,9 @@ def main(argv: list[str]) -> int:
             return 0 if plan.fits else 3
         preflight(cfg)  # data paths, model name, judge: before minutes of model loading
         check_toolset(cfg)  # tool names and settings, their keys, corpus, contact
+        problems = check_model("model.name", cfg["model"]["name"], cfg["train"]["train_layers"])
+        if problems:  # the model's own files: cached or reachable, a chat template, deep enough
+            raise ConfigError("\n".join(problems))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

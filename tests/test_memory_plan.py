@@ -29,8 +29,12 @@ PAPER_LENGTHS = ("model.max_prompt_tokens=2048", "agent.planner.max_new_tokens=2
 
 
 @pytest.fixture(scope="module")
-def qwen7b(tmp_path_factory) -> str:
+def qwen7b(tmp_path_factory, default_model_path) -> str:
+    """Qwen2.5-7B-Instruct's config.json, no weights, beside a chat tokenizer (the default
+    model's: the checks before a run read it; the plan never does)."""
+    from transformers import AutoTokenizer
     d = tmp_path_factory.mktemp("qwen7b")
+    AutoTokenizer.from_pretrained(default_model_path).save_pretrained(d)
     (d / "config.json").write_text(json.dumps(QWEN_7B))
     return str(d)
 

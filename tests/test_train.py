@@ -25,7 +25,8 @@ def tiny_overrides(model_dir, out_dir, *extra) -> list[str]:
             f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "train.queries_per_step=2", "train.group_size=2",
             "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
             "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.generator.temperature=1.0",
-            "eval.limit=4", "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0", *extra]
+            "eval.limit=4", "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0",
+            "train.train_layers=2", *extra]  # the tiny model has 2 blocks: all of them, as 4 would train
 
 
 def tiny_cfg(model_dir, out_dir, *extra):
@@ -398,7 +399,7 @@ def test_out_of_memory_in_the_held_out_evaluation_stops_the_run(tiny_model_dir, 
     args = [str(ROOT / "config.yaml")] + [f"{k}" for k in (
         f"model.name={tiny_model_dir}", "model.device=cpu", f"out_dir={tmp_path / 'run'}",
         f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
-        f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "eval.limit=2")]
+        f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "eval.limit=2", "train.train_layers=2")]
     assert cfg["train"]["eval_before_after"]
     assert train.main(args) == 3
     err = capsys.readouterr().err
