@@ -417,7 +417,8 @@ class Trajectory:
     answer: str = ""  # the generator's final output o
     done: bool = False  # the verifier said stop, or the turn budget ran out
     log: list[dict] = field(default_factory=list)  # every module call: module, turn, prompt, output
-    reward: float = 0.0  # R(o, q, y*), filled by the judge
+    reward: float = 0.0  # R_i, filled by the judge (judge.Reward)
+    reward_terms: dict = field(default_factory=dict)  # the named terms R_i weighs
     advantage: float = 0.0  # A_i, filled by flow_grpo
 
     @property
@@ -430,7 +431,7 @@ class Trajectory:
 
     def to_dict(self) -> dict:
         return {"query": self.query, "answer": self.answer, "reward": self.reward,
-                "advantage": self.advantage, "n_turns": len(self.turns),
+                "reward_terms": self.reward_terms, "advantage": self.advantage, "n_turns": len(self.turns),
                 "tools": self.tools_used, "memory": [vars(r) for r in self.memory.records],
                 "log": self.log}
 

@@ -36,8 +36,15 @@ error, a timeout, a reply that is neither yes nor no - counts as wrong, never as
 crash and never as right: a failed LLM verdict leaves the rule's verdict (wrong,
 reward 0) and is counted as a judge failure in the metrics. The official code
 drops crashed problems from the accuracy denominator, which flatters the score.
+
+The reward a trajectory trains on is `Reward`: a weighted sum of named terms
+(reward.terms in the config), by default the paper's alone, {"correct": 1.0}. Other
+terms (a format term, a turn count) or terms of one's own (@reward_term, in a module
+listed in reward.modules) shape it; each term is logged per step. Nothing downstream
+assumes 0/1: the group advantage normalises whatever R is.
 """
 
+import importlib
 import json
 import logging
 import os
@@ -47,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from agentflow import SamplingParams
+from support.config import ConfigError
 from support.answers import (KINDS, choice_index, choice_letter, date_key, extract_answer, game24_candidates,
                              game24_number_sets, check_game24, gold_aliases, normalize_text, parse_number,
                              same_math, strip_option_labels, token_f1, undone_arithmetic, wordy)
@@ -128,6 +136,69 @@ def score_item(answer: str, gold: list[str], kind: str, options: list[str] | Non
     trajectory and the verdict of an evaluation. A Game-of-24 item is scored against
     its puzzle numbers, so any valid expression counts, not only the reference one."""
     return score(answer, numbers if kind == "game24" and numbers else gold, kind, options)
+
+
+# --- the reward R: a weighted sum of named terms ----------------------------------------
+
+REWARD_TERMS = {}  # name -> fn(trajectory, item, verdict) -> float, in the order they registered
+
+
+def reward_term(name: str):
+    """Register fn(trajectory, item, verdict) -> float as a term reward.terms may weigh: the
+    trajectory (agentflow.Trajectory: its memory, turns, answer), its benchmark item, and
+    the judge's verdict on its answer (score_item's dict)."""
+    def add(fn):
+        REWARD_TERMS[name] = fn
+        return fn
+    return add
+
+
+@reward_term("correct")
+def correct(traj, item, verdict) -> float:
+    """R(o, q, y*) of the paper: 1 if the judge found the final answer right, else 0."""
+    return float(verdict["correct"])
+
+
+@reward_term("format")
+def named_a_tool(traj, item, verdict) -> float:
+    """The share of the trajectory's turns whose planner action named a tool it has."""
+    records = traj.memory.records
+    return sum(1 for r in records if r.tool) / len(records) if records else 0.0
+
+
+@reward_term("turns")
+def turns(traj, item, verdict) -> float:
+    """The planner turns the trajectory took: with a negative weight, a price per turn."""
+    return float(len(traj.turns))
+
+
+class Reward:
+    """R_i = sum_k w_k * term_k(trajectory i): reward.terms as {name: w_k}. Terms of
+    modules listed in reward.modules register themselves when imported."""
+
+    def __init__(self, weights: dict[str, float], modules: list[str] = ()):
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ConfigError(f"reward.modules: cannot import {name!r} ({e})") from None
+        unknown = sorted(set(weights) - set(REWARD_TERMS))
+        if unknown:
+            raise ConfigError(f"reward.terms: unknown term(s) {', '.join(unknown)}; known: {', '.join(REWARD_TERMS)} "
+                              f"(a term of your own: @judge.reward_term in a module listed in reward.modules)")
+        bad = [k for k, w in weights.items() if isinstance(w, bool) or not isinstance(w, (int, float))]
+        if bad:
+            raise ConfigError(f"reward.terms: the weight of {', '.join(bad)} must be a number")
+        self.weights = {k: float(w) for k, w in weights.items() if w}
+
+    @classmethod
+    def from_config(cls, rcfg: dict) -> "Reward":
+        return cls(rcfg["terms"], rcfg["modules"])
+
+    def __call__(self, traj, item, verdict) -> tuple[float, dict[str, float]]:
+        """(R, each term's value) for one judged trajectory."""
+        values = {k: float(REWARD_TERMS[k](traj, item, verdict)) for k in self.weights}
+        return sum(self.weights[k] * v for k, v in values.items()), values
 
 
 # --- optional LLM judge ------------------------------------------------------------

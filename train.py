@@ -51,7 +51,7 @@ from tqdm import tqdm
 from agentflow import LLM, AgentSystem, agent_config
 from eval import evaluate
 from flow_grpo import LossConfig, UpdateConfig, kept_groups, kept_rows, policy_update
-from judge import Judge
+from judge import Judge, Reward
 from support import ranks
 from support.checkpoints import resume, save_checkpoint
 from support.config import ConfigError, load_config, preflight
@@ -85,6 +85,7 @@ def main(argv: list[str]) -> int:
             return 0 if plan.fits else 3
         preflight(cfg)  # data paths, model name, judge: before minutes of model loading
         check_toolset(cfg)  # tool names and settings, their keys, corpus, contact
+        Reward.from_config(cfg["reward"])  # its terms are known, their modules import
         problems = check_model("model.name", cfg["model"]["name"], cfg["train"]["train_layers"])
         if problems:  # the model's own files: cached or reachable, a chat template, deep enough
             raise ConfigError("\n".join(problems))
@@ -148,6 +149,7 @@ def run(cfg: dict) -> dict:
     optimizer = PlannerOptimizer(params, t["lr"], t["weight_decay"], t["warmup_steps"] * t["epochs"] * t["minibatches"])
     agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
+    reward = Reward.from_config(cfg["reward"])  # R: the judge's verdict, with other terms if reward.terms says
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=e["limit"] or None)
 
@@ -166,7 +168,7 @@ def run(cfg: dict) -> dict:
                disable=not world.main)
     for step in bar:
         with plan.guard(f"in training step {step + 1}"):
-            metrics = train_step(cfg, step, agent, model, ref, optimizer, train_items, judge, out,
+            metrics = train_step(cfg, step, agent, model, ref, optimizer, train_items, judge, reward, out,
                                  update_tokens=plan.update_tokens, world=world)
         if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
@@ -195,7 +197,7 @@ def run(cfg: dict) -> dict:
     return result
 
 
-def train_step(cfg, step, agent, model, ref, optimizer, items, judge, out, update_tokens: int = 0,
+def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, out, update_tokens: int = 0,
                world=ranks.SINGLE) -> dict:
     """One Flow-GRPO step: draw -> rollout -> reward -> advantage -> update. Under torchrun
     this rank takes its share of the queries (whole groups); the metrics row it returns,
@@ -214,8 +216,9 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, out, updat
                           seed=derive_seed("rank", step_seed, world.rank))
     t1 = time.time()
 
-    # 3. Reward R_i in {0, 1} from the final answer alone; None where the network failed.
-    verdicts = judge_rollouts(trajs, my_queries, G, judge)
+    # 3. Reward R_i from the judge's verdict on the final answer (the paper's 0/1, unless
+    #    reward.terms adds others); None where the network failed.
+    verdicts = judge_rollouts(trajs, my_queries, G, judge, reward)
     t2 = time.time()
 
     # 4. Advantage A_i over each group's kept rollouts, broadcast to every planner turn of
@@ -239,18 +242,19 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, out, updat
                         counters, agent, world)
 
 
-def judge_rollouts(trajs, queries, G: int, judge: Judge) -> list[dict | None]:
-    """Each trajectory's reward R_i (tr.reward) and the judge's verdict on it: trajectory k
-    answers queries[k // G]. A judge that fails gives 0, never 1. A trajectory whose tool
-    failed for infrastructure reasons after its retries (a quota, an outage, a missing key:
-    tools.ToolResult.infra) is not judged: its outcome says how the network did, not how
-    the policy did. Its reward and verdict stay None."""
+def judge_rollouts(trajs, queries, G: int, judge: Judge, reward: Reward) -> list[dict | None]:
+    """Each trajectory's reward R_i (tr.reward, its terms in tr.reward_terms) and the
+    judge's verdict on it: trajectory k answers queries[k // G]. A judge that fails says
+    wrong, never right. A trajectory whose tool failed for infrastructure reasons after its
+    retries (a quota, an outage, a missing key: tools.ToolResult.infra) is not judged: its
+    outcome says how the network did, not how the policy did. Its reward and verdict stay
+    None."""
     judged = [k for k, tr in enumerate(trajs) if not any(r.infra for r in tr.memory.records)]
     verdicts = [None] * len(trajs)
     for k, v in zip(judged, judge.score_batch([trajs[k].answer for k in judged], [queries[k // G] for k in judged])):
         verdicts[k] = v
-    for tr, v in zip(trajs, verdicts):
-        tr.reward = None if v is None else float(v["correct"])
+    for k, (tr, v) in enumerate(zip(trajs, verdicts)):
+        tr.reward, tr.reward_terms = reward(tr, queries[k // G], v) if v is not None else (None, {})
     return verdicts
 
 

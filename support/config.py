@@ -92,6 +92,11 @@ DEFAULTS = {
         # most likely, so before vs after measures what training changed, not sampling luck.
         "planner_temperature": 0.0,
     },
+    # The reward a trajectory trains on (judge.Reward): a weighted sum of named terms.
+    "reward": {
+        "terms": {"correct": 1.0},  # name -> weight; correct is the paper's 0/1 R (judge.py lists the others)
+        "modules": [],  # modules that define terms of your own (@judge.reward_term), imported first
+    },
     "judge": {
         "llm": False,  # also ask an LLM judge when the rules say wrong (off: rules only)
         "base_url": "",  # OpenAI-compatible endpoint (vLLM, llama.cpp, a paid API); empty = the frozen policy
@@ -147,7 +152,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
 
 
 # Sections whose keys another file owns and checks: their values are taken as given here.
-OPEN_SECTIONS = {"tools": "tools.check_toolset"}
+OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward"}
 
 
 def merge(cfg: dict, new: dict, ref: dict, prefix: str = "", choices: dict = CHOICES) -> None:

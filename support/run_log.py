@@ -36,7 +36,9 @@ def write_trajectories(out: Path, step: int, trajs, queries, G: int, first_group
     of query k // G, the step's query first_group + k // G."""
     lines = [json.dumps({"group": first_group + k // G, "id": queries[k // G].id,
                          "task": queries[k // G].meta.get("task", ""), "gold": queries[k // G].gold,
-                         "judge": (verdicts[k] or {}).get("judge", ""), "infra_failures": infra_failures(tr),
+                         "judge": (verdicts[k] or {}).get("judge", ""),
+                         "correct": None if verdicts[k] is None else bool(verdicts[k]["correct"]),
+                         "infra_failures": infra_failures(tr),
                          **tr.to_dict()}) + "\n" for k, tr in enumerate(trajs)]
     lines = world.gather(lines)  # every rank's, in rank order: the groups in query order
     if world.main:
@@ -48,13 +50,15 @@ def write_trajectories(out: Path, step: int, trajs, queries, G: int, first_group
 
 def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dict, lr: float, times: tuple,
                  counters_before: tuple[int, int], agent, world=SINGLE) -> dict:
-    """The metrics row of a step, the same on every rank: rewards and accuracy of the judged
-    rollouts, groups without signal, turns, tool shares and errors, what infrastructure
-    failures kept out of the update, the judges, the update's statistics, times (a step
-    waits for its slowest rank)."""
+    """The metrics row of a step, the same on every rank: rewards, their terms and the
+    accuracy (the judge's verdicts) of the judged rollouts, groups without signal, turns,
+    tool shares and errors, what infrastructure failures kept out of the update, the
+    judges, the update's statistics, times (a step waits for its slowest rank)."""
     hits, sub_batches = (now - before for now, before in zip(engine_counters(agent), counters_before))
     per_rank = world.all_gather({
         "rewards": [tr.reward for tr in trajs if tr.reward is not None],
+        "correct": [bool(v["correct"]) for v in verdicts if v is not None],
+        "terms": [tr.reward_terms for tr in trajs if tr.reward is not None],
         "group_rewards": [[trajs[k].reward for k in g] for g in groups],
         "turns": [len(tr.turns) for tr in trajs], "tools": [tr.tools_used for tr in trajs],
         "infra": [infra_failures(tr) for tr in trajs],
@@ -63,6 +67,7 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
         "hits": hits, "sub_batches": sub_batches, "times": times})
     every = lambda key: [x for p in per_rank for x in p[key]]
     rewards, group_rewards, turns = every("rewards"), every("group_rewards"), every("turns")
+    correct, terms = every("correct"), every("terms")
     tool_calls = Counter(tool for used in every("tools") for tool in used)
     n_calls = sum(tool_calls.values())
     model_errors = sum(p["model_errors"] for p in per_rank)
@@ -71,7 +76,8 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
         print(f"warning: step {step + 1}: no group kept two rollouts free of infrastructure failures "
               f"({sum(map(bool, every('infra')))} of {len(turns)} hit one); no update", file=sys.stderr)
     return {"step": step + 1, "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "accuracy": sum(r > 0 for r in rewards) / len(rewards) if rewards else None,
+            "accuracy": sum(correct) / len(correct) if correct else None,
+            "reward_terms": {k: sum(t[k] for t in terms) / len(terms) for k in (terms[0] if terms else {})},
             "zero_variance_groups": (sum(len(set(rs)) == 1 for rs in group_rewards) / len(group_rewards)
                                      if group_rewards else None),
             "mean_turns": sum(turns) / len(turns),

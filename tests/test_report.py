@@ -153,6 +153,7 @@ def make_fake_run(tmp_path: Path, steps: int = 5, groups: int = 2, G: int = 4, *
         zero_var = sum(len({tr["reward"] for tr in trajs[g * G:(g + 1) * G]}) == 1 for g in range(groups))
         metrics.append({"step": step, "reward_mean": sum(rewards) / len(rewards),
                         "accuracy": sum(r > 0 for r in rewards) / len(rewards),
+                        "reward_terms": {"correct": sum(r > 0 for r in rewards) / len(rewards)},
                         "zero_variance_groups": zero_var / groups,
                         "mean_turns": sum(tr["n_turns"] for tr in trajs) / len(trajs), "tool_shares": shares,
                         "top_tool": max(shares, key=shares.get),

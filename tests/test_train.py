@@ -470,3 +470,40 @@ def test_eval_sweeps_the_turn_budget_for_frozen_and_trained(tiny_model_dir, tmp_
     assert all(f[b]["n"] == 3 and set(f[b]["by_kind"]) <= {"arithmetic", "lookup", "two_step"} for b in "12")
     table = capsys.readouterr().out
     assert "mean turns" in table and table.count("\nfrozen") == 2
+
+
+def test_a_shaped_reward_flows_through_advantages_metrics_and_report(tiny_model_dir, tmp_path):
+    """reward.terms = correct + 0.25 format - 0.1 turns: R_i is each trajectory's weighted
+    sum of its terms, not 0/1; the group advantage normalises it; metrics log each term's
+    mean while accuracy stays the judge's; the report and a comparison with a 0/1 run render."""
+    from support.report.compare import write_comparison
+    from support.report.page import write_report
+    out = tmp_path / "shaped"
+    run(tiny_cfg(tiny_model_dir, out, "train.steps=1", "train.eval_before_after=false",
+                 "reward.terms={correct: 1.0, format: 0.25, turns: -0.1}"))
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    for tr in trajs:
+        t = tr["reward_terms"]
+        assert set(t) == {"correct", "format", "turns"} and t["correct"] == float(tr["correct"])
+        assert tr["reward"] == pytest.approx(t["correct"] + 0.25 * t["format"] - 0.1 * t["turns"])
+    assert any(tr["reward"] not in (0.0, 1.0) for tr in trajs)
+    for g in range(0, len(trajs), 2):  # G = 2: A = (R - mean) / (std + eps), whatever R is
+        r = [tr["reward"] for tr in trajs[g:g + 2]]
+        mean, std = sum(r) / 2, (sum((x - sum(r) / 2) ** 2 for x in r) / 2) ** 0.5
+        assert [tr["advantage"] for tr in trajs[g:g + 2]] == pytest.approx([(x - mean) / (std + 1e-6) for x in r])
+    assert m["accuracy"] == sum(tr["correct"] for tr in trajs) / len(trajs)
+    assert m["reward_mean"] == pytest.approx(sum(tr["reward"] for tr in trajs) / len(trajs))
+    assert m["reward_terms"]["turns"] == pytest.approx(sum(tr["reward_terms"]["turns"] for tr in trajs) / len(trajs))
+    plain = tmp_path / "plain"
+    run(tiny_cfg(tiny_model_dir, plain, "train.steps=1", "train.eval_before_after=false"))
+    assert "Reward terms" in write_report(out).read_text()
+    assert write_comparison([out, plain]).exists()
+
+
+def test_reward_terms_are_checked_before_a_model_loads(tmp_path, capsys):
+    base = [str(ROOT / "config.yaml"), f"out_dir={tmp_path}"]
+    assert train.main(base + ["reward.terms={correct: 1.0, brevity: 0.5}"]) == 2
+    assert "unknown term(s) brevity" in capsys.readouterr().err
+    assert train.main(base + ["reward.modules=[no_such_reward_module]"]) == 2
+    assert "reward.modules" in capsys.readouterr().err

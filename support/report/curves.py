@@ -24,6 +24,9 @@ CURVES = [
      "(step 0 = before training). Training rollouts sample, exploring on purpose, while a greedy held-out "
      "evaluation (eval.planner_temperature = 0) takes the most likely tool: compare each series with itself, "
      "not with the other.{heldout_note}"),
+    ("Reward terms", "mean value", "free", [("reward_term:*", "", "", "line")],
+     "The mean of each named term of the reward (reward.terms) over the step's judged rollouts; R is their "
+     "weighted sum. With the default, the paper's reward, the one term is the accuracy."),
     ("Training reward per task kind", "reward mean", "unit", [("reward_kind:*", "", "", "line")],
      "Mean reward of the step's training rollouts of each task kind (trajectories/step_N.jsonl). A step draws "
      "each kind in proportion, so a kind has only a few queries per step: expect noise."),
@@ -103,6 +106,8 @@ def step_values(run: dict) -> dict[str, dict[int, float]]:
         if r.get("tool_shares"):
             for t in colors:
                 put(f"tool_share:{t}", r["step"], r["tool_shares"].get(t, 0.0))
+        for term, v in (r.get("reward_terms") or {}).items() if isinstance(r.get("reward_terms"), dict) else ():
+            put(f"reward_term:{term}", r["step"], v)
     for s, e in run["evals"].items():
         put("heldout_accuracy", s, e["summary"].get("accuracy"))
         put("heldout_tool_error_rate", s, e["summary"].get("tool_error_rate"))
@@ -149,9 +154,10 @@ def expand_series(run: dict, specs: list, vals: dict) -> list[tuple[str, str, st
         if key == "tool_share:*":
             out += [(f"tool_share:{t}", t, c, style) for t, c in tool_colors(run).items()
                     if f"tool_share:{t}" in vals]
-        elif key == "reward_kind:*":
-            kinds = [k.split(":", 1)[1] for k in vals if k.startswith("reward_kind:")]
-            out += [(f"reward_kind:{k}", k, c, style) for k, c in kind_colors(kinds).items()]
+        elif key in ("reward_kind:*", "reward_term:*"):
+            prefix = key[:-1]
+            names = [k[len(prefix):] for k in vals if k.startswith(prefix)]
+            out += [(prefix + k, k, c, style) for k, c in kind_colors(names).items()]
         elif key in vals and not (key == "accuracy" and vals[key] == vals.get("reward_mean")):
             out.append((key, label, OKABE.get(color, color), style))
     return out

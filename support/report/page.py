@@ -566,7 +566,9 @@ def step_payload(path: Path, metrics_row: dict | None, G: int | None, ids: dict,
                                     "task": str(tr.get("task") or ""), "query": clip(tr.get("query"), CAP["query"]),
                                     "gold": [clip(x, CAP["gold"]) for x in (tr.get("gold") or [])][:10],
                                     "rollouts": []})
+        right = tr.get("correct")  # the judge's verdict; older runs record only R, which was it
         g["rollouts"].append({"reward": num(tr.get("reward")), "advantage": num(tr.get("advantage")),
+                              "correct": bool(right) if right is not None else (num(tr.get("reward")) or 0) > 0,
                               "answer": clip(tr.get("answer"), CAP["answer"]), "n_turns": tr.get("n_turns"),
                               "tools": [str(x) for x in tr.get("tools") or [] if x],
                               "turns": [turn_payload(t) for t in turns], "out": out_of_turns(turns, max_turns)})
@@ -614,7 +616,8 @@ def section_trajectories(run: dict) -> str:
     parts.append(note(
         f"Embedded: {esc(shown)}. Each row is one query (named by its training item id where the training file "
         "is found); its columns are the G rollouts of that query, run independently from the same start. Per "
-        "rollout: the reward R_i ∈ {0, 1} of its final answer, and its "
+        "rollout: the reward R_i (the judge's 0/1 verdict on its final answer, ✓ or ✗, unless reward.terms "
+        "weighs other terms in), and its "
         f"<b>advantage A_i = (R_i − mean R) / (std R + ε) {over}, broadcast to every planner "
         "turn</b>: every planner action of the rollout is pushed up (A_i &gt; 0) or down (A_i &lt; 0) with the "
         "same weight. Only the planner's action is trained; executor, verifier and generator are frozen. Long "
@@ -626,7 +629,7 @@ def section_trajectories(run: dict) -> str:
                  '<label>task kind <select id="traj-kind"><option value="">all</option></select></label>'
                  '<label>rewards <select id="traj-reward"><option value="">any</option>'
                  '<option value="signal">mixed (a learning signal)</option>'
-                 '<option value="all1">all R = 1</option><option value="all0">all R = 0</option></select></label>'
+                 '<option value="all1">all right</option><option value="all0">all wrong</option></select></label>'
                  '<label>tool <select id="traj-tool"><option value="">any</option></select></label>'
                  '<label>flag <select id="traj-flag"></select></label>'
                  '<span id="step-info" class="status" role="status"></span></div>'

@@ -188,10 +188,10 @@
       return {mean: m, std: Math.sqrt(v), flat: r.every(function (x) { return x === r[0]; })};
     };
     var rollout = function (r, i, gold, dimmed) {
-      var col = el("div", "rollout " + (r.reward > 0 ? "win" : "loss") + (dimmed ? " dimmed" : ""));
+      var col = el("div", "rollout " + (r.correct ? "win" : "loss") + (dimmed ? " dimmed" : ""));
       var h = el("div", "rhead");
       h.appendChild(el("b", null, "rollout " + (i + 1)));
-      h.appendChild(el("span", "badge " + (r.reward > 0 ? "ok" : "bad"), "R = " + (r.reward === null ? "?" : r.reward)));
+      h.appendChild(el("span", "badge " + (r.correct ? "ok" : "bad"), "R = " + (r.reward === null ? "?" : Math.round(r.reward * 1000) / 1000)));
       col.appendChild(h);
       var adv = el("div", "adv " + (r.advantage > 0 ? "pos" : r.advantage < 0 ? "neg" : "zero"));
       adv.appendChild(el("b", null, "A_i = " + f3(r.advantage)));
@@ -202,8 +202,8 @@
       r.turns.forEach(function (t) {
         col.appendChild(turnBox(t, "planner action (trained, weight A_i = " + f3(r.advantage) + ")"));
       });
-      var fin = el("div", "final " + (r.reward > 0 ? "ok" : "bad"));
-      field(fin, "final answer " + (r.reward > 0 ? "\u2713" : "\u2717"), r.answer, null, true);
+      var fin = el("div", "final " + (r.correct ? "ok" : "bad"));
+      field(fin, "final answer " + (r.correct ? "\u2713" : "\u2717"), r.answer, null, true);
       field(fin, "gold", gold);
       col.appendChild(fin);
       return col;
@@ -217,8 +217,8 @@
         var st = stats(g.rollouts);
         if (kind && g.task !== kind) return;
         if (rew === "signal" && st.flat) return;
-        if (rew === "all1" && !(st.flat && st.mean > 0)) return;
-        if (rew === "all0" && !(st.flat && st.mean === 0)) return;
+        if (rew === "all1" && !g.rollouts.every(function (r) { return r.correct; })) return;
+        if (rew === "all0" && !g.rollouts.every(function (r) { return !r.correct; })) return;
         var match = g.rollouts.map(function (r) {
           return (!tool || usesTool(r.tools, tool)) && (!flag || flagsOf(r.turns, r.out)[flag]);
         });
