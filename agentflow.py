@@ -419,7 +419,8 @@ class Trajectory:
     log: list[dict] = field(default_factory=list)  # every module call: module, turn, prompt, output
     reward: float = 0.0  # R_i, filled by the judge (judge.Reward)
     reward_terms: dict = field(default_factory=dict)  # the named terms R_i weighs
-    advantage: float = 0.0  # A_i, filled by flow_grpo
+    advantage: float = 0.0  # A_i, filled by flow_grpo.kept_rows
+    turn_advantages: list | None = None  # A_i^t per turn, where credit is per turn (advantage_mode per_turn)
 
     @property
     def tools_used(self) -> list[str]:
@@ -430,10 +431,12 @@ class Trajectory:
         return sum(1 for r in self.memory.records if r.tool and r.error)
 
     def to_dict(self) -> dict:
-        return {"query": self.query, "answer": self.answer, "reward": self.reward,
-                "reward_terms": self.reward_terms, "advantage": self.advantage, "n_turns": len(self.turns),
-                "tools": self.tools_used, "memory": [vars(r) for r in self.memory.records],
-                "log": self.log}
+        out = {"query": self.query, "answer": self.answer, "reward": self.reward,
+               "reward_terms": self.reward_terms, "advantage": self.advantage, "n_turns": len(self.turns),
+               "tools": self.tools_used, "memory": [vars(r) for r in self.memory.records], "log": self.log}
+        if self.turn_advantages is not None:
+            out["turn_advantages"] = self.turn_advantages
+        return out
 
 
 @dataclass

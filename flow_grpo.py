@@ -33,7 +33,8 @@ single-turn updates, one per (prompt, action) row.
 How this departs from the official code: advantages are normalised per trajectory over
 the G rollouts of a query (the official code normalises over all turn rows of a query,
 so long trajectories weigh more; `advantage_mode: turn_rows` reproduces that), and the
-1/T_i average keeps a long trajectory from outweighing a short one.
+1/T_i average keeps a long trajectory from outweighing a short one. kept_rows lists the
+other credit choices: a score per turn instead of the broadcast, and rows weighed alike.
 
 pi_theta_old, exactly: the weights that sampled are the weights we update (no stale copy),
 but the sampler's log-probs come from a different computation (a cached decode step)
@@ -158,34 +159,56 @@ def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
     return [g for g in groups if len(g) >= 2]
 
 
-def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_groups: int | None = None):
+def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_groups: int | None = None,
+              turn_scores: list | None = None, row_weight: str = "trajectory"):
     """(rows, groups): the training rows of what an update may use, and the trajectory
     indices of each group kept; sets each trajectory's advantage (None if left out).
     Copies of a query are consecutive, G to a group.
+
+    How credit reaches a turn (train.advantage_mode):
+      trajectory  the paper's: A_i over the group's rollouts, broadcast to every turn;
+      turn_rows   the official code's: the same broadcast A_i, with the group's mean and
+                  std taken over its turn rows (trajectory i counts T_i times): only the
+                  normalisation changes, never which turn gets what;
+      per_turn    each turn its own A_i^t = (s_i^t - mean) / (std + eps), from a score per
+                  planner turn (turn_scores[i][t], judge.TURN_SCORES), the mean and std over
+                  the group's turn rows; trajectory i's `advantage` is then the mean of its
+                  turns', the turns' own in `turn_advantages`.
+    How much each row weighs (train.row_weight): "trajectory", J's 1 / (Q' G_q T_i): each
+    kept query 1/Q', each of its G_q kept rollouts 1/G_q, split over its T_i turns (the
+    paper's averages; build_rows' 1 / (N T_i) when nothing is left out); or "turn",
+    1 / (Q' n_q) for the n_q turn rows of group q: a long trajectory weighs more.
 
     A trajectory that is not usable (an infrastructure failure) is left out, and its group's
     advantages are normalised over the rollouts that remain: those are still independent
     samples of pi_theta on that query, so A_i = (R_i - mean) / (std + eps) over them is the
     paper's advantage for a group of that size. A group left with fewer than 2 is dropped
     whole: one rollout alone has A = R - mean = 0 and would bring only its KL term, on a
-    query the others no longer weigh. J's averages then run over what remains: the row
-    weight is 1 / (Q' * G_q * T_i), for Q' groups kept and G_q rollouts kept in group q
-    (the 1/G average within each query, then the mean over queries), which is build_rows'
-    1 / (N * T_i) exactly when nothing is left out. n_groups: Q' when `trajs` are one
-    rank's share of the step (the groups kept on all ranks); by default the groups here."""
+    query the others no longer weigh. n_groups: Q' when `trajs` are one rank's share of the
+    step (the groups kept on all ranks); by default the groups here."""
     groups = kept_groups(usable, G)
     Q_kept = len(groups) if n_groups is None else n_groups
     for tr in trajs:
         tr.advantage = None  # what is left out has none
     rows = []
     for g in groups:
-        adv = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
-        for k, a in zip(g, adv):
-            trajs[k].advantage = a
-            turn_rows = build_rows([trajs[k]], [a])  # its T_i planner turns, A_i broadcast to each
-            for row in turn_rows:
-                row.weight = 1.0 / (Q_kept * len(g) * len(turn_rows))
-            rows += turn_rows
+        turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # the turns with an action
+        if mode == "per_turn":
+            scores = [s for k in g for t, s in zip(trajs[k].turns, turn_scores[k]) if t.action_ids]
+            flat = iter(group_advantages(scores, len(scores)))  # over the group's turn rows
+            adv = {k: [next(flat) for _ in turns[k]] for k in g}
+            for k in g:
+                trajs[k].turn_advantages = adv[k]
+                trajs[k].advantage = sum(adv[k]) / len(adv[k]) if adv[k] else 0.0
+        else:
+            A = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
+            adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i broadcast to each of its T_i turns
+            for k, a in zip(g, A):
+                trajs[k].advantage = a
+        n_rows = sum(len(ts) for ts in turns.values())
+        for k in g:
+            weight = 1.0 / (Q_kept * len(g) * len(turns[k])) if row_weight == "trajectory" else 1.0 / (Q_kept * n_rows)
+            rows += [TurnRow(t.prompt_ids, t.action_ids, t.logprobs, a, weight) for t, a in zip(turns[k], adv[k])]
     return rows, groups
 
 

@@ -172,6 +172,41 @@ def turns(traj, item, verdict) -> float:
     return float(len(traj.turns))
 
 
+# A score per planner turn, for credit per turn (train.advantage_mode: per_turn): each turn
+# row's advantage is its score normalised over the group's turn rows (flow_grpo.kept_rows).
+TURN_SCORES = {}  # name -> fn(trajectory, item, verdict) -> [one float per planner turn]
+
+
+def turn_score(name: str):
+    """Register fn(trajectory, item, verdict) -> list of floats, one per planner turn (with
+    the trajectory's reward R_i already set), as a score train.turn_score may name."""
+    def add(fn):
+        TURN_SCORES[name] = fn
+        return fn
+    return add
+
+
+def turn_scorer(name: str):
+    """The turn score `name` (modules of reward.modules imported already)."""
+    if name not in TURN_SCORES:
+        raise ConfigError(f"train.turn_score: unknown turn score {name!r}; known: {', '.join(TURN_SCORES)} (one of "
+                          f"your own: @judge.turn_score in a module listed in reward.modules)")
+    return TURN_SCORES[name]
+
+
+@turn_score("outcome")
+def outcome(traj, item, verdict) -> list[float]:
+    """R_i on every turn: normalised over turn rows, the official code's credit (turn_rows)."""
+    return [traj.reward] * len(traj.turns)
+
+
+@turn_score("tool_errors")
+def outcome_less_tool_errors(traj, item, verdict) -> list[float]:
+    """R_i on every turn, less 0.5 on a turn whose tool call failed: the outcome, and a price
+    on the one turn that wasted a step."""
+    return [traj.reward - (0.5 if r.error and not r.infra else 0.0) for r in traj.memory.records[:len(traj.turns)]]
+
+
 class Reward:
     """R_i = sum_k w_k * term_k(trajectory i): reward.terms as {name: w_k}. Terms of
     modules listed in reward.modules register themselves when imported."""

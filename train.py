@@ -51,7 +51,7 @@ from tqdm import tqdm
 from agentflow import LLM, AgentSystem, agent_config
 from eval import evaluate
 from flow_grpo import LossConfig, UpdateConfig, kept_groups, kept_rows, policy_update
-from judge import Judge, Reward
+from judge import Judge, Reward, turn_scorer
 from support import ranks
 from support.checkpoints import resume, save_checkpoint
 from support.config import ConfigError, load_config, preflight
@@ -86,6 +86,8 @@ def main(argv: list[str]) -> int:
         preflight(cfg)  # data paths, model name, judge: before minutes of model loading
         check_toolset(cfg)  # tool names and settings, their keys, corpus, contact
         Reward.from_config(cfg["reward"])  # its terms are known, their modules import
+        if cfg["train"]["advantage_mode"] == "per_turn":
+            turn_scorer(cfg["train"]["turn_score"])
         problems = check_model("model.name", cfg["model"]["name"], cfg["train"]["train_layers"])
         if problems:  # the model's own files: cached or reachable, a chat template, deep enough
             raise ConfigError("\n".join(problems))
@@ -225,7 +227,11 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
     #    trajectory i as its rows; J's mean over queries runs over the groups kept on all ranks.
     usable = [tr.reward is not None for tr in trajs]
     n_groups = sum(world.all_gather(len(kept_groups(usable, G))))
-    rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups=n_groups)
+    scores = None  # with credit per turn, a score for each turn of each judged trajectory
+    if t["advantage_mode"] == "per_turn":
+        score = turn_scorer(t["turn_score"])
+        scores = [score(tr, my_queries[k // G], verdicts[k]) if usable[k] else None for k, tr in enumerate(trajs)]
+    rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups, scores, t["row_weight"])
 
     # 5. Update on planner tokens only, scored under the very SamplingParams the planner
     #    sampled with (temperatures, tool restriction), with pi_old from the trainer's own

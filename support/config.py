@@ -73,7 +73,12 @@ DEFAULTS = {
         "eps_high": 0.3,  # clip range 1 + eps_high (paper 0.3)
         "beta": 0.001,  # KL coefficient (paper 0.001)
         "kl_estimator": "k3",  # per-token KL: k3 (paper; its gradient is the forward KL's) | k2 (flow_grpo.token_kl)
-        "advantage_mode": "trajectory",  # trajectory (paper) | turn_rows (official code)
+        # How credit reaches a turn (flow_grpo.kept_rows): trajectory (the paper: A_i broadcast to
+        # every turn) | turn_rows (the official code: the same, normalised over turn rows) |
+        # per_turn (each turn its own advantage, from the score train.turn_score names).
+        "advantage_mode": "trajectory",
+        "turn_score": "outcome",  # per_turn: a score per planner turn (judge.TURN_SCORES, or one's own)
+        "row_weight": "trajectory",  # trajectory (J's 1/T_i average over a rollout's turns) | turn (rows alike)
         "epochs": 1,  # PPO epochs over one rollout batch
         "minibatches": 1,  # optimizer steps per epoch
         "micro_batch": 16,  # rows per forward/backward (memory only; the result does not change)
@@ -110,7 +115,8 @@ DEFAULTS = {
 CHOICES = {
     "model.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "train.advantage_mode": ("trajectory", "turn_rows"),
+    "train.advantage_mode": ("trajectory", "turn_rows", "per_turn"),
+    "train.row_weight": ("trajectory", "turn"),
     "train.kl_estimator": ("k3", "k2"),
 }
 

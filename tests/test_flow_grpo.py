@@ -500,3 +500,68 @@ def test_entropy_is_that_of_the_distribution_sampled_from(tiny_llm):
                 want = float(-(p * p.log()).sum())
                 got = float(entropy[i, mask.shape[1] - len(r.action_ids) + j])
                 assert got == pytest.approx(want, abs=1e-4), (fast, i, j)
+
+
+def _credit_by_hand(trajs, rewards, scores, G, mode, row_weight, eps=1e-6):
+    """(A, w): the advantage and the weight of every turn (k, t), written from the formulas
+    of kept_rows' docstring with plain Python, group by group."""
+    A, w = {}, {}
+    Q = len(trajs) // G
+    for q in range(Q):
+        g = range(q * G, q * G + G)
+        T = {k: len(trajs[k].turns) for k in g}
+        if mode == "per_turn":  # each turn row its own score, normalised over the group's rows
+            xs = [scores[k][t] for k in g for t in range(T[k])]
+            m = sum(xs) / len(xs)
+            s = (sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5
+            A.update({(k, t): (scores[k][t] - m) / (s + eps) for k in g for t in range(T[k])})
+        else:  # R_i broadcast; turn_rows counts trajectory i T_i times in the mean and std
+            c = {k: T[k] if mode == "turn_rows" else 1 for k in g}
+            m = sum(c[k] * rewards[k] for k in g) / sum(c.values())
+            s = (sum(c[k] * (rewards[k] - m) ** 2 for k in g) / sum(c.values())) ** 0.5
+            A.update({(k, t): (rewards[k] - m) / (s + eps) for k in g for t in range(T[k])})
+        n_rows = sum(T.values())
+        w.update({(k, t): 1 / (Q * G * T[k]) if row_weight == "trajectory" else 1 / (Q * n_rows)
+                  for k in g for t in range(T[k])})
+    return A, w
+
+
+@pytest.mark.parametrize("mode, row_weight", [("trajectory", "turn"), ("turn_rows", "trajectory"),
+                                              ("per_turn", "trajectory"), ("per_turn", "turn")])
+def test_each_credit_option_equals_its_loop_written_objective(policy, mode, row_weight):
+    """kept_rows' rows under each credit option (the default's own test is the one above):
+    the batched loss and gradient equal J written as a loop over trajectories, turns and
+    tokens with each turn's advantage and weight computed by hand."""
+    from flow_grpo import _logprob, kept_rows, token_kl
+    llm, ref = policy
+    G, rewards = 3, [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    trajs = make_trajectories(llm, 2, G, seed=5)
+    rnd = random.Random(7)
+    scores = [[rnd.choice([0.0, 0.5, 1.0]) for _ in tr.turns] for tr in trajs]  # a score per turn
+    for tr, r in zip(trajs, rewards):
+        tr.reward = r
+    rows, _ = kept_rows(trajs, [True] * len(trajs), G, mode, None, scores if mode == "per_turn" else None, row_weight)
+    A, w = _credit_by_hand(trajs, rewards, scores, G, mode, row_weight)
+    assert [r.advantage for r in rows] == pytest.approx([A[kt] for kt in sorted(A)], abs=1e-9)
+    assert [r.weight for r in rows] == pytest.approx([w[kt] for kt in sorted(w)], rel=1e-12)
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
+    J = 0.0
+    for k, tr in enumerate(trajs):
+        for t, turn in enumerate(tr.turns):
+            seq = torch.tensor([turn.prompt_ids + turn.action_ids])
+            logits = llm.model(seq).logits[0].float()
+            with torch.no_grad():
+                ref_logits = ref(seq).logits[0].float()
+            for j, tok in enumerate(turn.action_ids):
+                at = len(turn.prompt_ids) - 1 + j
+                lp, lr = _logprob(logits[at], tok, j, SAMPLING), _logprob(ref_logits[at], tok, j, SAMPLING)
+                rho = torch.exp(lp - lp.detach())  # the on-policy first update
+                surrogate = torch.minimum(rho * A[k, t], rho.clamp(1 - EPS_LO, 1 + EPS_HI) * A[k, t])
+                J = J + w[k, t] / len(turn.action_ids) * (surrogate - cfg.beta * token_kl(lr, lp, cfg.kl_estimator))
+    llm.model.zero_grad()
+    (-J).backward()
+    g_loop = grads(llm.model)
+    llm.model.zero_grad()
+    st = accumulate_gradients(llm.model, ref, rows, SAMPLING, cfg, llm.pad_id, micro_batch=64)
+    assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
+    assert_grads_close(grads(llm.model), g_loop)

@@ -507,3 +507,16 @@ def test_reward_terms_are_checked_before_a_model_loads(tmp_path, capsys):
     assert "unknown term(s) brevity" in capsys.readouterr().err
     assert train.main(base + ["reward.modules=[no_such_reward_module]"]) == 2
     assert "reward.modules" in capsys.readouterr().err
+
+
+def test_credit_per_turn_runs_a_step_and_records_each_turns_advantage(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "per_turn"
+    run(tiny_cfg(tiny_model_dir, out, "train.steps=1", "train.eval_before_after=false",
+                 "train.advantage_mode=per_turn", "train.turn_score=tool_errors", "train.row_weight=turn"))
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    assert all(len(tr["turn_advantages"]) == tr["n_turns"] for tr in trajs)
+    assert all(tr["advantage"] == pytest.approx(sum(tr["turn_advantages"]) / tr["n_turns"]) for tr in trajs)
+    assert json.loads((out / "metrics.jsonl").read_text())["optimizer_steps"] == 1
+    assert train.main([str(ROOT / "config.yaml"), f"out_dir={tmp_path}", "train.advantage_mode=per_turn",
+                       "train.turn_score=hindsight"]) == 2
+    assert "unknown turn score 'hindsight'" in capsys.readouterr().err

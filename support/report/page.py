@@ -610,9 +610,11 @@ def section_trajectories(run: dict) -> str:
         k = max(2, int(k * 0.7))
     shown = (f"all {len(steps)} steps with trajectories" if len(chosen) == len(steps) else
              f"{len(chosen)} of {len(steps)} steps (evenly spaced, first and last included, to keep this page small)")
-    turn_rows = cfg_get(run["config"], "train.advantage_mode") == "turn_rows"
-    over = ("over all planner turns of the G rollouts (advantage_mode turn_rows: a rollout with T_i turns counts "
-            "T_i times)" if turn_rows else "over the G rollouts")
+    mode = cfg_get(run["config"], "train.advantage_mode")
+    over = {"turn_rows": "over all planner turns of the G rollouts (advantage_mode turn_rows: a rollout with T_i "
+                         "turns counts T_i times)",
+            "per_turn": "over all planner turns of the G rollouts, each turn from its own score (advantage_mode "
+                        "per_turn: the A_i shown is the mean of the rollout's turns')"}.get(mode, "over the G rollouts")
     parts.append(note(
         f"Embedded: {esc(shown)}. Each row is one query (named by its training item id where the training file "
         "is found); its columns are the G rollouts of that query, run independently from the same start. Per "
