@@ -45,7 +45,7 @@ from judge import Judge
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.datasets import Item, load_benchmark, read_jsonl
-from support.models import check_model, load_model
+from support.models import check_model, check_models, load_model, planner_name
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
 from support.seeds import derive_seed
@@ -175,14 +175,16 @@ def print_sweep(sweep: dict) -> None:
 
 def build_agent(cfg: dict, model_path: str | None = None, world=ranks.SINGLE):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
-    or the configured model; executor, verifier and generator always the configured one."""
+    or the configured planner (model.planner, else model.name); executor, verifier and
+    generator always model.name."""
     m = cfg["model"]
     if m["threads"]:
         torch.set_num_threads(m["threads"])
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])  # first: a sandbox that cannot work stops us early
     with world.local_first():  # what is converted or measured once per machine (train.run says which)
         frozen_model, tok = load_model(m["name"], m["device"], m["dtype"])
-        planner_model = frozen_model if model_path is None else load_model(model_path, m["device"], m["dtype"])[0]
+        name = model_path or planner_name(m)
+        planner_model = frozen_model if name == m["name"] else load_model(name, m["device"], m["dtype"])[0]
         planner, frozen = LLM(planner_model, tok), LLM(frozen_model, tok)
     world.agree_decode([planner, frozen])
     return AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
@@ -208,18 +210,25 @@ def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], s
     cfg = load_config(args.config, args.overrides + list(extra_overrides))
     preflight(cfg, data=False, model_paths=(args.model,) if args.model else ())
     check_toolset(cfg)
-    problems = check_model("model.name", cfg["model"]["name"])
-    problems += check_model("--model", args.model) if args.model else []
+    problems = check_models(cfg, training=False) + (check_model("--model", args.model) if args.model else [])
     if problems:
         raise ConfigError("\n".join(problems))
     items = load_benchmark(args.benchmark, limit=args.limit or None)
     return cfg, items, args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
 
 
-def planners(agent, model_path: str | None) -> dict:
-    """The planners a comparison runs: the frozen one (the configured model) and, given a
-    trained checkpoint, `agent`'s, which samples from it; by label."""
-    out = {"frozen": AgentSystem(agent.frozen, agent.frozen, agent.tools, agent.cfg)}
+def planners(cfg: dict, agent, model_path: str | None) -> dict:
+    """The planners a comparison runs: the frozen one (the configured planner, untrained)
+    and, given a trained checkpoint, `agent`'s, which samples from it; by label."""
+    m = cfg["model"]
+    if planner_name(m) == m["name"]:
+        initial = agent.frozen
+    elif not model_path:
+        initial = agent.planner
+    else:
+        initial = LLM(load_model(planner_name(m), m["device"], m["dtype"])[0], agent.frozen.tok)
+        initial.use_decode(agent.planner.decode_name)
+    out = {"frozen": AgentSystem(initial, agent.frozen, agent.tools, agent.cfg)}
     if model_path:
         out[f"trained ({Path(model_path).name})"] = agent
     return out
@@ -254,7 +263,7 @@ def _main(args, cfg: dict, items: list[Item], out: str, agent, world) -> int:
     e = cfg["eval"]
     if args.sweep:
         budgets = [int(b) for b in args.sweep.split(",")]
-        sweep = turn_sweep(planners(agent, args.model), items, budgets,
+        sweep = turn_sweep(planners(cfg, agent, args.model), items, budgets,
                            Path(out).parent / f"sweep_{Path(args.benchmark).stem}",
                            batch_size=args.batch_size or e["batch_size"], seed=e["seed"],
                            planner_temperature=e["planner_temperature"], judge=judge, world=world)

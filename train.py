@@ -57,7 +57,7 @@ from support.checkpoints import resume, save_checkpoint
 from support.config import ConfigError, load_config, preflight
 from support.datasets import load_benchmark
 from support.device_memory import PlanError, plan_for
-from support.models import check_model, load_model
+from support.models import check_models, load_model, planner_name
 from support.optim import PlannerOptimizer, frozen_reference, select_trainable
 from support.provenance import note_run, record_run
 from support.run_log import (append_metrics, engine_counters, print_learning_table, refresh_report, step_metrics,
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> int:
         Reward.from_config(cfg["reward"])  # its terms are known, their modules import
         if cfg["train"]["advantage_mode"] == "per_turn":
             turn_scorer(cfg["train"]["turn_score"])
-        problems = check_model("model.name", cfg["model"]["name"], cfg["train"]["train_layers"])
-        if problems:  # the model's own files: cached or reachable, a chat template, deep enough
+        problems = check_models(cfg)
+        if problems:  # the models' own files: cached or reachable, a chat template, deep enough, one tokenizer
             raise ConfigError("\n".join(problems))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -135,13 +135,16 @@ def run(cfg: dict) -> dict:
     # The tools first: where the Python sandbox cannot work, the run stops before the model loads.
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are
-    # pi_ref for the KL term and also run the executor, verifier and generator. The
-    # reference shares the policy's frozen weights and copies only the trained ones.
+    # pi_ref for the KL term and also run the executor, verifier and generator (unless
+    # model.planner gives the planner a model of its own). The reference shares the
+    # policy's frozen weights and copies only the trained ones.
+    m = cfg["model"]
     with world.local_first():  # the default model's one-time conversion, the decode way: once per machine
-        model, tok = load_model(cfg["model"]["name"], cfg["model"]["device"], cfg["model"]["dtype"])
+        model, tok = load_model(planner_name(m), m["device"], m["dtype"])
         params = select_trainable(model, t["train_layers"])
         ref = frozen_reference(model, params)
-        planner, frozen = LLM(model, tok), LLM(ref, tok)
+        modules = ref if planner_name(m) == m["name"] else load_model(m["name"], m["device"], m["dtype"])[0]
+        planner, frozen = LLM(model, tok), LLM(modules, tok)
     world.agree_decode([planner, frozen])  # a run's sample path depends on it: run.json says which
     if world.main:
         note_run(out, provenance, decode=planner.decode_name)

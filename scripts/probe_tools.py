@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     except SandboxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    planners = evaluation.planners(agent, args.model)
+    planners = evaluation.planners(cfg, agent, args.model)
     max_turns = args.max_turns or cfg["eval"]["max_turns"]
     Path(out).mkdir(parents=True, exist_ok=True)
     if args.tool_probs:

@@ -23,7 +23,11 @@ DEFAULTS = {
     "out_dir": "runs/default",  # metrics.jsonl, checkpoints/, eval/, report.html land here
     "resume": True,  # continue from the latest checkpoint in out_dir if there is one
     "model": {
-        "name": "smollm2-135m",  # HF name or path; "smollm2-135m" = the offline default (see agentflow.py)
+        "name": "smollm2-135m",  # HF name or path; "smollm2-135m" = the offline default (support/models.py)
+        # The planner's own model, trained from these weights (pi_ref is their frozen copy);
+        # "" = model.name. The executor, verifier and generator always run model.name, frozen.
+        # Both must share one tokenizer: the planner's actions are read by the frozen modules.
+        "planner": "",
         "device": "auto",  # auto | cpu | cuda
         "dtype": "float32",  # weights' dtype: float32 | bfloat16 | float16
         "threads": 0,  # torch CPU threads; 0 = leave torch's default
@@ -281,6 +285,8 @@ def preflight(cfg: dict, data: bool = True, model_paths: tuple[str, ...] = ()) -
                                   f"`python -m scripts.prepare_data train`, the offline suite with "
                                   f"`python -m scripts.make_tasks`, or set data.{split}=PATH to a JSONL file")
     check_model_name("model.name", cfg["model"]["name"])
+    if cfg["model"]["planner"]:
+        check_model_name("model.planner", cfg["model"]["planner"])
     for p in model_paths:
         check_model_name("--model", p)
     j = cfg["judge"]

@@ -166,14 +166,21 @@ def reserve_bytes(budget: float, device: str) -> float:
 
 def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, max_prompt: int, max_new: int,
               planner_new: int, rollout_rows: int, eval_rows: int, micro_batch: int, prefill_tokens: int,
-              logits_chunk: int) -> Plan:
-    """The plan for one run (all sizes in tokens; budget in bytes or None)."""
+              logits_chunk: int, frozen: Shape | None = None) -> Plan:
+    """The plan for one run (all sizes in tokens; budget in bytes or None). `shape` is the
+    planner's model; `frozen`, the executor's, verifier's and generator's where it is
+    another model (model.planner): its weights are resident too, and the sampler's rows
+    are sized for the larger of the two."""
     s = torch.finfo(getattr(torch, dtype)).bits // 8  # bytes per weight
     low = s < 4
     plan = Plan(shape, dtype, device, budget)
     add = plan.items.append
     weights = shape.params * s
     add((f"weights, one copy ({shape.params / 1e9:.2f}B parameters, {dtype})", weights, ""))
+    if frozen is not None:
+        weights += frozen.params * s
+        add((f"the frozen modules' own model ({frozen.params / 1e9:.2f}B parameters)", frozen.params * s,
+             "model.name (model.planner is another)"))
     ref_copies = shape.trained * s
     add((f"the reference's copies of the trained weights ({shape.trained / 1e9:.2f}B)", ref_copies,
          f"train.train_layers: {shape.trained_layers} blocks + final norm" if shape.trained_layers < shape.layers
@@ -191,8 +198,9 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
 
     # The sampler: one sub-batch's cache at its final size, plus what its prefill or its
     # decode step needs on top (never both at once).
-    row_kv = (max_prompt + max_new) * shape.kv_bytes_per_token(s)
-    row_decode = shape.vocab * DECODE_BYTES_PER_LOGIT
+    rows_of = [shape] + ([frozen] if frozen is not None else [])  # the sampler runs both
+    row_kv = (max_prompt + max_new) * max(m.kv_bytes_per_token(s) for m in rows_of)
+    row_decode = max(m.vocab for m in rows_of) * DECODE_BYTES_PER_LOGIT
     cap = prefill_tokens if budget is not None else None
     prefill = 0.0
     if cap:
@@ -310,22 +318,25 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
     ranks: processes under torchrun, one device each. Each holds everything above for
     itself (weights, reference, optimizer state: they are replicated, not sharded); only
     its rollout is smaller, its share of the step's groups (ranks.World.shard)."""
+    from transformers import AutoConfig
+
+    from support.models import planner_name, resolve_model
+
+    t, a, e, m = cfg["train"], cfg["agent"], cfg["eval"], cfg["model"]
     if config is None:
-        from transformers import AutoConfig
-
-        from support.models import resolve_model
-
-        config = AutoConfig.from_pretrained(resolve_model(cfg["model"]["name"]))
-    t, a, e = cfg["train"], cfg["agent"], cfg["eval"]
+        config = AutoConfig.from_pretrained(resolve_model(planner_name(m)))
     device, budget = device_budget(cfg)
-    shape = model_shape(config, t["train_layers"], name=cfg["model"]["name"])
+    shape = model_shape(config, t["train_layers"], name=planner_name(m))
+    frozen = None
+    if planner_name(m) != m["name"]:  # the frozen modules run a model of their own
+        frozen = model_shape(AutoConfig.from_pretrained(resolve_model(m["name"])), 0, name=m["name"])
     max_new = max(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier", "generator"))
     return make_plan(shape, dtype=cfg["model"]["dtype"], device=device, budget=budget,
                      max_prompt=cfg["model"]["max_prompt_tokens"], max_new=max_new,
                      planner_new=a["planner"]["max_new_tokens"],
                      rollout_rows=-(-t["queries_per_step"] // ranks) * t["group_size"],  # the largest share
                      eval_rows=e["batch_size"], micro_batch=t["micro_batch"],
-                     prefill_tokens=cfg["model"]["prefill_tokens"], logits_chunk=t["logits_chunk"])
+                     prefill_tokens=m["prefill_tokens"], logits_chunk=t["logits_chunk"], frozen=frozen)
 
 
 class PlanError(RuntimeError):

@@ -116,6 +116,27 @@ def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
     return problems
 
 
+def planner_name(model_cfg: dict) -> str:
+    """The planner's model: model.planner, or model.name when it is empty."""
+    return model_cfg["planner"] or model_cfg["name"]
+
+
+def check_models(cfg: dict, training: bool = True) -> list[str]:
+    """check_model for the run's models (their depth against train.train_layers when
+    training), and, where the planner has a model of its own, that it shares the frozen
+    modules' tokenizer (the same ids for the same text), one line each."""
+    m, layers = cfg["model"], cfg["train"]["train_layers"] if training else 0
+    if planner_name(m) == m["name"]:
+        return check_model("model.name", m["name"], layers)
+    problems = check_model("model.planner", m["planner"], layers) + check_model("model.name", m["name"])
+    if not problems:
+        a, b = (AutoTokenizer.from_pretrained(resolve_model(n)) for n in (m["planner"], m["name"]))
+        if a.get_vocab() != b.get_vocab() or a.eos_token_id != b.eos_token_id:
+            problems.append(f"model.planner: {m['planner']} and model.name {m['name']} have different tokenizers; "
+                            f"the frozen modules read the planner's token ids, so both need the same one")
+    return problems
+
+
 def _cached(repo_id: str) -> bool:
     """Whether the Hugging Face cache holds this hub id's config.json."""
     from huggingface_hub import try_to_load_from_cache

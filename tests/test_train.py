@@ -2,6 +2,7 @@
 load, resume == uninterrupted, config validation, and eval on the official files."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -520,3 +521,47 @@ def test_credit_per_turn_runs_a_step_and_records_each_turns_advantage(tiny_model
     assert train.main([str(ROOT / "config.yaml"), f"out_dir={tmp_path}", "train.advantage_mode=per_turn",
                        "train.turn_score=hindsight"]) == 2
     assert "unknown turn score 'hindsight'" in capsys.readouterr().err
+
+
+def test_the_planner_and_the_frozen_modules_may_be_different_models(tiny_model_dir, tmp_path, capsys):
+    """model.planner trains its own model while executor, verifier and generator run
+    model.name: the checkpoint is the planner's architecture, the frozen model is another
+    object that never moves, the memory plan counts both; a planner whose tokenizer is not
+    the frozen model's is refused in one line before a model loads."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(3)
+    other = tmp_path / "frozen_modules"  # three blocks, the same tokenizer
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(other)
+    tok.save_pretrained(other)
+    before = load_file(str(other / "model.safetensors"))
+    out = tmp_path / "run"
+    seen = {}
+    real = train.AgentSystem.__init__
+
+    def spy(self, planner, frozen, *a, **k):
+        seen["planner"], seen["frozen"] = planner.model, frozen.model
+        real(self, planner, frozen, *a, **k)
+
+    train.AgentSystem.__init__ = spy
+    try:
+        run(tiny_cfg(tiny_model_dir, out, f"model.planner={tiny_model_dir}", f"model.name={other}", "train.steps=1",
+                     "train.eval_before_after=false"))
+    finally:
+        train.AgentSystem.__init__ = real
+    assert seen["planner"].config.num_hidden_layers == 2 and seen["frozen"].config.num_hidden_layers == 3
+    assert "the frozen modules' own model" in capsys.readouterr().out  # the plan counts it
+    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1")
+    assert trained.config.num_hidden_layers == 2  # the planner is what trains
+    assert all(torch.equal(before[k], v) for k, v in seen["frozen"].state_dict().items())  # never moved
+    odd = tmp_path / "odd_tokenizer"
+    shutil.copytree(tiny_model_dir, odd)
+    t2 = AutoTokenizer.from_pretrained(odd)
+    t2.add_tokens(["<only_here>"])
+    t2.save_pretrained(odd)
+    assert train.main([str(ROOT / "config.yaml"), *tiny_overrides(tiny_model_dir, tmp_path / "r2"),
+                       f"model.planner={odd}"]) == 2
+    assert "different tokenizers" in capsys.readouterr().err
