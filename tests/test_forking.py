@@ -1,0 +1,95 @@
+"""docs/FORKING.md's four recipes, run exactly as written: each module block is written to
+a file beside a copy of config.yaml, each command line is run by train.main from there,
+with overrides appended only to make it a one-step run on a tiny model."""
+
+import json
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+import judge
+import tools
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = (ROOT / "docs" / "FORKING.md").read_text()
+SECTIONS = re.split(r"^## ", GUIDE, flags=re.M)[1:]  # "1. Add a tool\n...", ...
+
+
+def recipe(number: int) -> tuple[dict[str, str], list[str]]:
+    """({file name: code}, the command line's arguments after `python train.py`) of recipe N."""
+    text = next(s for s in SECTIONS if s.startswith(f"{number}. "))
+    files = dict(re.findall(r"```python file=(\S+)\n(.*?)```", text, flags=re.S))
+    (line,) = re.findall(r"```bash\n(python train\.py [^\n]*)\n```", text)
+    return files, shlex.split(line)[2:]
+
+
+@pytest.fixture()
+def fork(tmp_path, monkeypatch):
+    """A working folder like the repository root: config.yaml, the data, a module path; the
+    registries the recipes add to are restored afterwards, and their modules forgotten."""
+    shutil.copy(ROOT / "config.yaml", tmp_path / "config.yaml")
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for registry, name in ((tools, "TOOL_CLASSES"), (judge, "REWARD_TERMS"), (judge, "TURN_SCORES")):
+        monkeypatch.setattr(registry, name, dict(getattr(registry, name)))
+    yield tmp_path
+    for name in ("my_tools", "my_rewards", "my_credit"):
+        sys.modules.pop(name, None)
+
+
+def run_recipe(number: int, folder: Path, *fast: str) -> Path:
+    files, args = recipe(number)
+    for name, code in files.items():
+        (folder / name).write_text(code)
+    out = folder / "run"
+    assert train.main(args + [f"out_dir={out}", "train.steps=1", "train.queries_per_step=2", "train.group_size=2",
+                              "train.eval_before_after=false", "agent.planner.max_new_tokens=6",
+                              "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", *fast]) == 0
+    return out
+
+
+def test_the_guide_has_four_recipes_each_with_a_command():
+    assert [s.split("\n")[0] for s in SECTIONS[:4]] == ["1. Add a tool", "2. Add a reward term",
+                                                       "3. Change the credit assignment", "4. Swap the planner model"]
+    assert [len(recipe(n)[0]) for n in (1, 2, 3, 4)] == [1, 1, 1, 0]
+
+
+def test_recipe_1_a_tool_of_ones_own(fork, tiny_model_dir):
+    out = run_recipe(1, fork, f"model.name={tiny_model_dir}", "train.train_layers=2")
+    cfg = json.loads((out / "config.json").read_text())
+    assert "Word_Count" in cfg["agent"]["tools"] and cfg["tools"]["word_count_limit"] == 10_000
+    assert tools.TOOL_CLASSES["Word_Count"]({}).run("one two three").output == "3"
+    m = json.loads((out / "metrics.jsonl").read_text())
+    assert m["optimizer_steps"] == 1 and set(m["tool_shares"]) <= {"Python_Coder", "Local_Search", "Word_Count"}
+
+
+def test_recipe_2_a_reward_term(fork, tiny_model_dir):
+    out = run_recipe(2, fork, f"model.name={tiny_model_dir}", "train.train_layers=2")
+    m = json.loads((out / "metrics.jsonl").read_text())
+    assert set(m["reward_terms"]) == {"correct", "short_answer"}
+    for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines():
+        tr = json.loads(line)
+        assert tr["reward"] == pytest.approx(tr["reward_terms"]["correct"] + 0.1 * tr["reward_terms"]["short_answer"])
+
+
+def test_recipe_3_credit_per_turn(fork, tiny_model_dir):
+    out = run_recipe(3, fork, f"model.name={tiny_model_dir}", "train.train_layers=2")
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    assert all(len(tr["turn_advantages"]) == tr["n_turns"] for tr in trajs)
+
+
+def test_recipe_4_a_planner_model_of_ones_own(fork, tiny_model_dir):
+    """The tiny random model (the default's tokenizer) as the planner, the default model as
+    the frozen modules."""
+    shutil.copytree(tiny_model_dir, fork / "models" / "my-planner")
+    out = run_recipe(4, fork, "train.train_layers=2")
+    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1")
+    assert trained.config.num_hidden_layers == 2 and trained.config.hidden_size == 64  # the planner trained
+    assert json.loads((out / "config.json").read_text())["model"]["name"] == "smollm2-135m"
