@@ -238,14 +238,11 @@ def tool_share_table(run: dict) -> str:
             d = "" if bv is None or av is None else f' <span class="dim">({round(100 * (av - bv)) + 0:+d})</span>'
             cells.append(f"<td>{esc(pct(bv))} → {esc(pct(av))}{d}</td>")
         body.append(f"<tr><th>{esc(k)}</th>{''.join(cells)}</tr>")
-    suite = set(kinds_all) <= {"all", "arithmetic", "lookup", "two_step"}
     return (f"<h3>Tool-usage shares per task kind (before → after, Δ pp)</h3>"
             f'<table class="grid"><thead><tr><th>task kind</th>{head}</tr></thead><tbody>{"".join(body)}</tbody>'
             "</table>" + note(f"Share of each tool among all tool calls of that kind's items ({esc(how)}). The "
                               "paper's finding to look for: the trained planner shifts its tool choice per task "
-                              "kind." + (" On the built-in suite the right tools are Python_Coder for arithmetic, "
-                                         "Local_Search for lookup, and Local_Search then Python_Coder for "
-                                         "two_step." if suite else "")))
+                              "kind."))
 
 
 def plans_from(summary: dict | None, rows: list | None) -> dict[str, dict[str, float]]:
