@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from agentflow import LLM, AgentSystem, agent_config
-from judge import Judge
+from judge import Judge, Reward, turn_scorer
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.datasets import Item, load_benchmark, read_jsonl
@@ -204,15 +204,25 @@ def arguments(description: str, prog: str | None = None) -> argparse.ArgumentPar
     return ap
 
 
+def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -> None:
+    """What a run needs outside its config file, before any model loads: the data and the
+    judge's endpoint (support/config.py), the tools' keys, files and sandbox, the reward's
+    terms, the models' own files (chat template, depth, cache, one tokenizer), and a
+    trained planner to evaluate. ConfigError with one line per problem, all at once."""
+    problems = preflight(cfg, data=training) + check_toolset(cfg)
+    Reward.from_config(cfg["reward"])  # its terms are known, their modules import
+    if training and cfg["train"]["advantage_mode"] == "per_turn":
+        turn_scorer(cfg["train"]["turn_score"])
+    problems += check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], str]:
     """(config, items, output folder) of a command line made by `arguments`; a bad config,
     toolset or benchmark file raises ConfigError, FileNotFoundError or ValueError."""
     cfg = load_config(args.config, args.overrides + list(extra_overrides))
-    preflight(cfg, data=False, model_paths=(args.model,) if args.model else ())
-    check_toolset(cfg)
-    problems = check_models(cfg, training=False) + (check_model("--model", args.model) if args.model else [])
-    if problems:
-        raise ConfigError("\n".join(problems))
+    check_run(cfg, training=False, model_path=args.model)
     items = load_benchmark(args.benchmark, limit=args.limit or None)
     return cfg, items, args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
 
@@ -246,7 +256,8 @@ def main(argv=None) -> int:
     try:
         cfg, items, out = load_run(args, [f"agent.force_tool={args.force_tool}"] if args.force_tool else [])
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
     world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
     try:

@@ -236,15 +236,27 @@ class PythonCoder(Tool):
     }
     choices = {"python_isolation": ISOLATIONS}
 
-    def __init__(self, cfg=None):
-        super().__init__(cfg)
-        c = self.cfg
+    @classmethod
+    def preflight(cls, cfg):
+        """Whether programs can run isolated here (probed once per process, and kept)."""
+        try:
+            cls._sandbox(cfg)
+        except SandboxError as e:
+            return str(e)
+        return ""
+
+    @staticmethod
+    def _sandbox(c: dict) -> Sandbox:
         limits = Limits(timeout_s=float(c["python_timeout_s"]), memory_mb=int(c["python_memory_mb"]),
                         max_procs=int(c["python_max_procs"]), max_file_mb=int(c["python_max_file_mb"]),
                         workdir_mb=int(c["python_workdir_mb"]))
+        return Sandbox(limits, interpreter=str(c["python_interpreter"]), isolation=str(c["python_isolation"]),
+                       sandbox_uid=int(c["python_sandbox_uid"]))
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
         # Decided here, once: a machine that cannot isolate programs stops the run at build time.
-        self.sandbox = Sandbox(limits, interpreter=str(c["python_interpreter"]),
-                               isolation=str(c["python_isolation"]), sandbox_uid=int(c["python_sandbox_uid"]))
+        self.sandbox = self._sandbox(self.cfg)
 
     def _run(self, command):
         code = extract_code(command)
@@ -395,12 +407,14 @@ def tool_settings() -> dict:
     return out
 
 
-def check_toolset(cfg: dict) -> None:
+def check_toolset(cfg: dict) -> list[str]:
     """The config's toolset, before any model loads: agent.tools names known tools, every
     tools.* key is a known setting of the right type (the rest take their defaults, written
     into cfg), and each tool has what it needs outside the file (its API key, its corpus, a
-    contact address: Tool.preflight). tools.modules are imported first: their tools count.
-    A ConfigError names the key and the fix, one line for each tool that lacks something."""
+    contact address, a sandbox: Tool.preflight). tools.modules are imported first: their
+    tools count. A config that names what does not exist raises ConfigError; what a tool
+    lacks comes back as one line with the fix per tool, for the caller to report with the
+    rest."""
     modules = cfg["tools"].get("modules", TOOLSET_SETTINGS["modules"])
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise ConfigError(f"tools.modules must be a list of module names, got {modules!r}")
@@ -414,9 +428,7 @@ def check_toolset(cfg: dict) -> None:
     choices = {f"tools.{k}": v for cls in TOOL_CLASSES.values() for k, v in _own(cls, "choices").items()}
     merge(settings, cfg["tools"], tool_settings(), "tools.", choices)
     cfg["tools"] = settings
-    problems = [TOOL_CLASSES[name].preflight(settings) for name in cfg["agent"]["tools"]]
-    if any(problems):
-        raise ConfigError("\n".join(p for p in problems if p))
+    return [p for p in (TOOL_CLASSES[name].preflight(settings) for name in cfg["agent"]["tools"]) if p]
 
 
 def build_tools(names: list[str], cfg: dict | None = None) -> dict[str, Tool]:

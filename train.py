@@ -49,22 +49,22 @@ import torch
 from tqdm import tqdm
 
 from agentflow import LLM, AgentSystem, agent_config
-from eval import evaluate
+from eval import check_run, evaluate
 from flow_grpo import LossConfig, UpdateConfig, kept_groups, kept_rows, policy_update
 from judge import Judge, Reward, turn_scorer
 from support import ranks
 from support.checkpoints import resume, save_checkpoint
-from support.config import ConfigError, load_config, preflight
+from support.config import ConfigError, load_config
 from support.datasets import load_benchmark
 from support.device_memory import PlanError, plan_for
-from support.models import check_models, load_model, planner_name
+from support.models import load_model, planner_name
 from support.optim import PlannerOptimizer, frozen_reference, select_trainable
 from support.provenance import note_run, record_run
 from support.run_log import (append_metrics, engine_counters, print_learning_table, refresh_report, step_metrics,
                              write_trajectories)
 from support.sandbox import SandboxError
 from support.seeds import derive_seed, seed_everything
-from tools import build_tools, check_toolset
+from tools import build_tools
 
 
 def main(argv: list[str]) -> int:
@@ -83,16 +83,10 @@ def main(argv: list[str]) -> int:
                 return 2
             print(plan.text())
             return 0 if plan.fits else 3
-        preflight(cfg)  # data paths, model name, judge: before minutes of model loading
-        check_toolset(cfg)  # tool names and settings, their keys, corpus, contact
-        Reward.from_config(cfg["reward"])  # its terms are known, their modules import
-        if cfg["train"]["advantage_mode"] == "per_turn":
-            turn_scorer(cfg["train"]["turn_score"])
-        problems = check_models(cfg)
-        if problems:  # the models' own files: cached or reachable, a chat template, deep enough, one tokenizer
-            raise ConfigError("\n".join(problems))
+        check_run(cfg)  # data, judge, tools, reward, models: all problems at once, before minutes of loading
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
         return 2
     # Fewer, larger blocks of GPU memory: the plan's slack assumes the allocator can reuse
     # freed cache and activations for tensors of other sizes (no effect on a CPU).

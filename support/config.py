@@ -238,63 +238,30 @@ def _check_combinations(cfg: dict) -> None:
 # ----------------------------------------------------------------------------------------
 # Preflight: what the config points at, checked before anything heavy happens.
 
-# The hub's rules for a repo id: one optional owner, names of letters, digits, - _ .,
-# no "--" or "..", not starting or ending with - or ., at most 96 characters.
-_HUB_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
-_HUB_ID = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
-
-
-def check_model_name(key: str, name: str) -> None:
-    """A model name must be the offline default, an existing model folder, or a
-    plausible hub id (owner/name). A path that does not exist fails here, not after a
-    traceback of the hub's repo-id rules."""
-    from support.models import DEFAULT_MODEL  # here: models pulls in torch, and config must load without it
-
-    if name == DEFAULT_MODEL:
-        return
-    p = Path(name).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").exists():
-            raise ConfigError(f"{key}: {name} is a folder without config.json, so not a Hugging Face model; "
-                              f"point it at a checkpoint folder (e.g. runs/x/checkpoints/step_N)")
-        return
-    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name \
-        or (name.count("/") == 1 and Path(name.split("/")[0]).is_dir())
-    if looks_like_path or p.exists():
-        raise ConfigError(f"{key}: {name} is not a model folder (no such directory); "
-                          f"check the path, or give a hub id like Qwen/Qwen2.5-7B-Instruct")
-    if len(name) > 96 or not _HUB_ID.match(name):
-        raise ConfigError(f"{key}: {name!r} is neither a local folder nor a hub id (owner/name of letters, "
-                          f"digits, - _ . such as Qwen/Qwen2.5-7B-Instruct)")
-
-
-def _env_missing(names) -> list[str]:
-    return [n for n in names if n and not os.environ.get(n)]
-
-
-def preflight(cfg: dict, data: bool = True, model_paths: tuple[str, ...] = ()) -> None:
-    """Fail in one line, with the fix, on a missing data file, a model name that is neither
-    a folder nor a hub id, or a judge endpoint without its model or key. data=False skips
-    data.* (eval.py reads --benchmark instead); model_paths are further models to check
-    (eval.py --model). What the tools need is tools.check_toolset's."""
+def preflight(cfg: dict, data: bool = True) -> list[str]:
+    """What the config points at outside the file, one line with the fix for each problem,
+    all of them at once: a missing data file, a judge endpoint without its model or key.
+    data=False skips data.* (eval.py reads --benchmark instead). What the tools need is
+    tools.check_toolset's, what the models need support.models.check_models'."""
+    problems = []
     if data:
         for split in ("train", "heldout"):
             path = cfg["data"][split]
             if not Path(path).is_file():
-                raise ConfigError(f"data.{split}: {path} not found; build the paper's mix with "
-                                  f"`python -m scripts.prepare_data train`, the offline suite with "
-                                  f"`python -m scripts.make_tasks`, or set data.{split}=PATH to a JSONL file")
-    check_model_name("model.name", cfg["model"]["name"])
-    if cfg["model"]["planner"]:
-        check_model_name("model.planner", cfg["model"]["planner"])
-    for p in model_paths:
-        check_model_name("--model", p)
+                problems.append(f"data.{split}: {path} not found; build the paper's mix with "
+                                f"`python -m scripts.prepare_data train`, the offline suite with "
+                                f"`python -m scripts.make_tasks`, or set data.{split}=PATH to a JSONL file")
     j = cfg["judge"]
     if j["llm"] and j["base_url"]:
         if not re.match(r"^https?://", j["base_url"]):
-            raise ConfigError(f"judge.base_url must start with http:// or https://, got {j['base_url']!r}")
+            problems.append(f"judge.base_url must start with http:// or https://, got {j['base_url']!r}")
         if not j["model"]:
-            raise ConfigError("judge.model is empty; name the model the endpoint at judge.base_url serves")
+            problems.append("judge.model is empty; name the model the endpoint at judge.base_url serves")
         if _env_missing([j["api_key_env"]]):
-            raise ConfigError(f"judge.api_key_env: {j['api_key_env']} is not set in the environment; export it, "
-                              f"or set judge.api_key_env='' for a server that needs no key")
+            problems.append(f"judge.api_key_env: {j['api_key_env']} is not set in the environment; export it, "
+                            f"or set judge.api_key_env='' for a server that needs no key")
+    return problems
+
+
+def _env_missing(names) -> list[str]:
+    return [n for n in names if n and not os.environ.get(n)]

@@ -7,6 +7,7 @@ Hugging Face name or a local folder in the config's model.name.
 
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -87,12 +88,44 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
 
 
 
+# The hub's rules for a repo id: one optional owner, names of letters, digits, - _ .,
+# no "--" or "..", not starting or ending with - or ., at most 96 characters.
+_HUB_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_HUB_ID = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
+
+
+def model_name_problem(key: str, name: str) -> str:
+    """Why a model name is none ("" if it is one): the offline default, an existing model
+    folder, or a plausible hub id (owner/name). A path that does not exist fails here, not
+    after a traceback of the hub's repo-id rules."""
+    if name == DEFAULT_MODEL:
+        return ""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            return (f"{key}: {name} is a folder without config.json, so not a Hugging Face model; "
+                    f"point it at a model folder (e.g. runs/x/checkpoints/step_N)")
+        return ""
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name \
+        or (name.count("/") == 1 and Path(name.split("/")[0]).is_dir())
+    if looks_like_path or p.exists():
+        return (f"{key}: {name} is not a model folder (no such directory); "
+                f"check the path, or give a hub id like Qwen/Qwen2.5-7B-Instruct")
+    if len(name) > 96 or not _HUB_ID.match(name):
+        return (f"{key}: {name!r} is neither a local folder nor a hub id (owner/name of letters, "
+                f"digits, - _ . such as Qwen/Qwen2.5-7B-Instruct)")
+    return ""
+
+
 def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
     """What would stop a run with this model before any rollout, one line each, from its
     config and tokenizer files alone (no weights): a hub id that is neither in the local
     cache nor reachable; no chat template (the four modules talk to the model as a chat);
     train_layers above its depth (which would quietly train every block but leave the
     embeddings frozen). `key` names the setting in the messages."""
+    bad_name = model_name_problem(key, name)
+    if bad_name:
+        return [bad_name]
     try:
         path = resolve_model(name)
     except RuntimeError as e:  # the offline default is not installed

@@ -498,6 +498,7 @@ _PROBE_CODE, _PROBE_OUT = "import encodings, json\nprint(6 * 7)\n", "42"
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 _ready: dict[tuple, tuple | SandboxError] = {}  # settings -> what `_prepare` found, once per process
 _ready_lock = threading.Lock()
+_warned: set[tuple] = set()  # the settings whose weaker isolation has been announced
 
 
 class Sandbox:
@@ -522,7 +523,8 @@ class Sandbox:
         if isinstance(found, SandboxError):
             raise SandboxError(str(found))
         self.argv, self.binds, self.links, self.devices = found
-        if isolation == "rlimits":
+        if isolation == "rlimits" and key not in _warned:  # once per process and settings
+            _warned.add(key)
             print("warning: Python_Coder runs model-written code with python_isolation: rlimits: it can reach "
                   "the network, read what this user can and see other processes", file=sys.stderr)
 

@@ -1,6 +1,7 @@
-"""The checks before any model loads (support/config.py's load_config and preflight,
-tools.check_toolset): a bad path, model name, tool or missing API key fails in one line
-that names the key and the fix."""
+"""The checks before any model loads (eval.check_run: support/config.py's load_config and
+preflight, tools.check_toolset, judge.Reward, support/models.check_models): a bad path,
+model name, tool or missing API key is one line that names the key and the fix, and every
+problem is reported at once."""
 
 import sys
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from support.config import ConfigError, load_config, preflight  # noqa: E402
-from tools import check_toolset  # noqa: E402
+from eval import check_run  # noqa: E402
+from support.config import ConfigError, load_config  # noqa: E402
+from support.models import model_name_problem  # noqa: E402
 
 DATA = [f"data.train={ROOT / 'data' / 'train.jsonl'}", f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}",
         f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
@@ -21,10 +23,9 @@ def cfg(*overrides, path=ROOT / "config.yaml"):
     return load_config(str(path), [*DATA, *overrides])
 
 
-def check(c, **kw):
-    """What train.py and eval.py check once the file is read."""
-    preflight(c, **kw)
-    check_toolset(c)
+def check(c, data=True, model_path=None):
+    """What train.py (data=True) and eval.py check once the file is read."""
+    check_run(c, training=data, model_path=model_path)
 
 
 def fails(c, *words, **kw):
@@ -45,6 +46,10 @@ def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
     fails(cfg(f"tools.corpus={tmp_path / 'c.jsonl'}"), "tools.corpus", "scripts.make_tasks")
     # eval.py reads --benchmark, not data.*
     check(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), data=False)
+    # every problem at once, one line each
+    msg = fails(cfg(f"data.train={tmp_path / 'nope.jsonl'}", f"tools.corpus={tmp_path / 'c.jsonl'}",
+                    "model.name=/nonexistent"), "data.train")
+    assert len(msg.splitlines()) == 3 and "tools.corpus" in msg and "model.name" in msg
 
 
 @pytest.mark.parametrize("name, words", [
@@ -59,17 +64,19 @@ def test_bad_model_names(name, words):
     fails(cfg(f"model.name={name}"), *words)
 
 
-def test_model_folder_and_hub_ids(tmp_path, monkeypatch):
+def test_model_folder_and_hub_ids(tmp_path, monkeypatch, default_model_path):
     fails(cfg(f"model.name={tmp_path}"), "without config.json")
+    assert model_name_problem("model.name", str(tmp_path)) != ""
     (tmp_path / "config.json").write_text("{}")
-    check(cfg(f"model.name={tmp_path}"))
+    assert model_name_problem("model.name", str(tmp_path)) == ""
+    check(cfg(f"model.name={default_model_path}"))  # a model folder
     for ok in ("Qwen/Qwen2.5-7B-Instruct", "gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"):
-        check(cfg(f"model.name={ok}"))
+        assert model_name_problem("model.name", ok) == ""  # names a hub id could be (whether cached: check_model)
     # a one-slash name whose first part is a local folder is a path, not a hub id
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
     fails(cfg("model.name=runs/nothing-here"), "no such directory")
-    fails(cfg(), "--model", model_paths=("/no/such/checkpoint",))
+    fails(cfg(f"model.name={default_model_path}"), "--model", model_path="/no/such/checkpoint")
 
 
 def test_unknown_tool_fails_before_a_model_loads_with_a_suggestion():
@@ -148,9 +155,10 @@ def test_cli_fails_in_one_line_before_loading_a_model(capsys, tmp_path):
     assert err.count("\n") == 0 and "--model" in err
 
 
-def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch):
+def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch, default_model_path):
     """The one-GPU config's web tools: Google through Serper (the key named), Wikipedia
-    with a contact address; each missing piece stops it in one line, before any model."""
+    with a contact address; each missing piece stops it in one line, before any model.
+    (The 7B model is not on this machine: the last check puts the default model in its place.)"""
     paper = ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"
     monkeypatch.delenv("SERPER_API_KEY", raising=False)
     c = cfg(path=paper)
@@ -159,7 +167,7 @@ def test_paper_config_uses_search_a_new_user_can_sign_up_for(monkeypatch):
     fails(c, "SERPER_API_KEY", "export SERPER_API_KEY")
     monkeypatch.setenv("SERPER_API_KEY", "k")
     fails(c, "tools.contact")
-    check(cfg("tools.contact=me@example.org", path=paper))
+    check(cfg("tools.contact=me@example.org", f"model.name={default_model_path}", path=paper))
 
 
 def test_a_tool_of_ones_own_is_named_through_tools_modules(tmp_path, monkeypatch):

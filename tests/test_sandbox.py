@@ -526,11 +526,14 @@ def test_each_cause_gets_its_fix(monkeypatch, sysctls, step, errno_name, says):
     assert says in message and "python_isolation: rlimits" in message and "\n" not in message
 
 
-def test_rlimits_mode_warns_every_build(capsys):
+def test_rlimits_mode_warns_once(capsys, monkeypatch):
+    """The weaker isolation is announced once per process, however often the tool is built
+    or checked (the preflight builds its sandbox too)."""
+    monkeypatch.setattr(sandbox, "_warned", set())
     tools.build_tools(["Python_Coder"], {"python_isolation": "rlimits"})
     tools.build_tools(["Python_Coder"], {"python_isolation": "rlimits"})
     assert capsys.readouterr().err.count("warning: Python_Coder runs model-written code with python_isolation: "
-                                         "rlimits") == 2
+                                         "rlimits") == 1
     with pytest.raises(ValueError, match="python_isolation"):
         tools.build_tools(["Python_Coder"], {"python_isolation": "none"})
 
