@@ -44,7 +44,9 @@ from agentflow import LLM, AgentSystem, agent_config
 from judge import Judge, Reward, turn_scorer
 from support import ranks
 from support.config import ConfigError, load_config, preflight
+from support.checkpoints import disk_problem
 from support.datasets import Item, load_benchmark, read_jsonl
+from support.device_memory import plan_for
 from support.models import check_model, check_models, load_model, planner_name
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
@@ -207,13 +209,16 @@ def arguments(description: str, prog: str | None = None) -> argparse.ArgumentPar
 def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -> None:
     """What a run needs outside its config file, before any model loads: the data and the
     judge's endpoint (support/config.py), the tools' keys, files and sandbox, the reward's
-    terms, the models' own files (chat template, depth, cache, one tokenizer), and a
-    trained planner to evaluate. ConfigError with one line per problem, all at once."""
+    terms, the models' own files (chat template, depth, cache, one tokenizer), a trained
+    planner to evaluate, and for training the disk its checkpoints need. ConfigError with
+    one line per problem, all at once."""
     problems = preflight(cfg, data=training) + check_toolset(cfg)
     Reward.from_config(cfg["reward"])  # its terms are known, their modules import
     if training and cfg["train"]["advantage_mode"] == "per_turn":
         turn_scorer(cfg["train"]["turn_score"])
     problems += check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
+    if training and not problems:  # the plan reads the model's config.json, checked just above
+        problems += [p for p in [disk_problem(cfg["out_dir"], plan_for(cfg).disk_bytes)] if p]
     if problems:
         raise ConfigError("\n".join(problems))
 

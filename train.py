@@ -19,8 +19,9 @@ Paper, section 2. One step, top to bottom in `train_step` below:
 
 Everything a run makes lands in out_dir: metrics.jsonl (one row per step),
 trajectories/step_N.jsonl (every rollout), eval/ (held-out evaluations),
-checkpoints/step_N/ (the newest only), learning.json (held-out before vs after),
-run.json (where it ran) and report.html. An interrupted run resumes from its checkpoint
+checkpoints/step_N/ (what a resume needs; the newest only), model/ (the trained planner,
+whole, at the end), learning.json (held-out before vs after), run.json (where it ran)
+and report.html. An interrupted run resumes from its checkpoint
 and reaches the weights an uninterrupted one does: the data order and every seed are
 functions of (seed, step) (support/seeds.py).
 
@@ -53,7 +54,7 @@ from eval import check_run, evaluate
 from flow_grpo import LossConfig, UpdateConfig, kept_groups, kept_rows, policy_update
 from judge import Judge, Reward, turn_scorer
 from support import ranks
-from support.checkpoints import resume, save_checkpoint
+from support.checkpoints import export_model, resume, save_checkpoint
 from support.config import ConfigError, load_config
 from support.datasets import load_benchmark
 from support.device_memory import PlanError, plan_for
@@ -177,8 +178,10 @@ def run(cfg: dict) -> dict:
         bar.set_postfix(reward="-" if metrics["reward_mean"] is None else f"{metrics['reward_mean']:.2f}",
                         kl="-" if metrics["kl"] is None else f"{metrics['kl']:.4f}", tools=metrics["top_tool"])
         if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
-            save_checkpoint(out, step + 1, model, tok, optimizer)
+            save_checkpoint(out, step + 1, model, optimizer)  # what a resume needs
             refresh_report(out)
+    if world.main:  # the trained planner, whole, for eval.py --model and from_pretrained
+        export_model(out / "model", model, tok)
 
     result = {"before": before}
     if t["eval_before_after"]:

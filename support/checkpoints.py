@@ -1,10 +1,16 @@
-"""Checkpoints: what transformers loads and what a resume needs, written atomically.
+"""Checkpoints: what a resume needs, written atomically; the trained model, exported.
 
-out_dir/checkpoints/step_N/ holds the model and its tokenizer in Hugging Face format
-(`AutoModelForCausalLM.from_pretrained` loads it) and trainer_state.pt: AdamW's state,
-the schedule, the fp32 master weights and the RNG state, no more; only the newest
-checkpoint is kept. A checkpoint is written to a temporary folder and renamed, so a crash
-mid-write never leaves one that looks complete; the older one goes only after that.
+out_dir/checkpoints/step_N/trainer_state.pt holds what a resume needs and no more: the
+weights that train (the frozen ones are the configured model's, loaded at start; bf16
+ones as their fp32 masters, which round into them), AdamW's state, the schedule and the
+RNG state. Only the newest is kept.
+The whole model, in Hugging Face format (`AutoModelForCausalLM.from_pretrained` loads it,
+and eval.py --model), is exported once, at the end of training, to out_dir/model/, and on
+request (`python -m scripts.export_model RUN_DIR`). A paper-scale checkpoint is then its
+trained blocks, masters and moments, not the whole 7B model each time (the memory plan
+prints both sizes and the disk a run needs). Everything is written to a temporary folder
+and renamed, so a crash mid-write never leaves one that looks complete; the older
+checkpoint goes only after the new one is in place.
 
 A resumed run reaches the weights an uninterrupted one does: the data order and every
 sampling seed are functions of (seed, step) (support/seeds.py), and the RNG state is
@@ -22,22 +28,37 @@ from support.ranks import SINGLE
 from support.seeds import rng_state, set_rng_state
 
 
-def save_checkpoint(out: Path, step: int, model, tok, optimizer) -> Path:
+def save_checkpoint(out: Path, step: int, model, optimizer) -> Path:
     """Write checkpoints/step_{step} (optimizer: support.optim.PlannerOptimizer) and drop the older ones."""
     ckdir = out / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
     final = ckdir / f"step_{step}"
     tmp = ckdir / f".tmp_step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save({"step": step, **optimizer.state_dict(), "rng": rng_state()}, tmp / "trainer_state.pt")
+    tmp.mkdir()
+    # The trained weights; bf16 ones are their fp32 masters rounded, and the masters are saved.
+    trained = {} if optimizer.masters is not None else {
+        n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save({"step": step, "trained": trained, **optimizer.state_dict(), "rng": rng_state()},
+               tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old_step, path in checkpoints(out):
         if old_step != step:
             shutil.rmtree(path)
     return final
+
+
+def export_model(folder: Path, model, tok) -> Path:
+    """The whole model and its tokenizer in Hugging Face format at `folder`, atomically."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".tmp_{folder.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
 
 
 def resume(out: Path, model, optimizer, world=SINGLE) -> int:
@@ -55,13 +76,10 @@ def resume(out: Path, model, optimizer, world=SINGLE) -> int:
     if blind:
         raise RuntimeError(f"rank(s) {blind} cannot read {path}, the checkpoint rank 0 resumes from: under "
                            f"torchrun out_dir must be a folder every rank sees (a shared filesystem)")
-    from transformers import AutoModelForCausalLM
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
-    model.load_state_dict(loaded.state_dict())
-    del loaded
     # Onto the CPU first: saved from rank 0's GPU, the tensors would otherwise all land on
     # GPU 0 on every rank; load_state_dict moves them to each weight's device.
     state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+    load_trained(model, state["trained"], path)
     try:
         optimizer.load_state_dict(state)
     except RuntimeError as e:
@@ -73,6 +91,31 @@ def resume(out: Path, model, optimizer, world=SINGLE) -> int:
         rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
         metrics.write_text("".join(r + "\n" for r in rows))
     return step
+
+
+def load_trained(model, trained: dict, where) -> None:
+    """Put a checkpoint's trained weights into `model` (the configured one: the frozen rest)."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(trained) - set(params))
+    if unknown:
+        raise RuntimeError(f"{where} holds weights this model does not have ({', '.join(unknown[:3])}, ...): "
+                           f"it was written for another model.name / model.planner")
+    with torch.no_grad():
+        for name, tensor in trained.items():
+            params[name].copy_(tensor)
+
+
+def disk_problem(out_dir, need: float) -> str:
+    """Why out_dir's disk cannot hold `need` bytes ("" if it can): where it would be written."""
+    where = Path(out_dir).resolve()
+    while not where.exists():  # the folder is made at start: its disk is its nearest parent's
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free >= need:
+        return ""
+    return (f"out_dir: {free / 1e9:.1f} GB free on the disk of {where}, and the run's checkpoints and final export "
+            f"need up to {need / 1e9:.1f} GB (`python train.py CONFIG --plan` details them); free space or point "
+            f"out_dir at a larger disk")
 
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:

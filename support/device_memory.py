@@ -101,6 +101,16 @@ class Plan:
     update_tokens: int = 0  # flow_grpo.micro_batches' max_tokens (0 = no cap)
     rows_per_sub_batch: int = 0
     problems: list[str] = field(default_factory=list)  # why it cannot fit, each naming a knob
+    # On disk (support/checkpoints.py): one checkpoint (the trained weights in fp32, as
+    # themselves or as masters, and AdamW's moments), the final export (the whole model), and
+    # the most a run holds at once: two checkpoints while the newer is written, or the last
+    # one beside the export.
+    checkpoint_bytes: float = 0.0
+    export_bytes: float = 0.0
+
+    @property
+    def disk_bytes(self) -> float:
+        return max(2 * self.checkpoint_bytes, self.checkpoint_bytes + self.export_bytes)
 
     @property
     def peak(self) -> float:
@@ -122,6 +132,9 @@ class Plan:
         else:
             out.append(f"  {self.peak / GB:.2f} GB of {self.budget / GB:.1f} GB: " + ("fits" if self.fits else "DOES NOT FIT"))
         out += [f"  to fit: {p}" for p in self.problems]
+        out.append(f"disk: a checkpoint {self.checkpoint_bytes / GB:.2f} GB (the trained weights in fp32, AdamW's "
+                   f"moments), the final export {self.export_bytes / GB:.2f} GB (the whole model); out_dir needs "
+                   f"{self.disk_bytes / GB:.2f} GB free")
         return "\n".join(out)
 
     @contextmanager
@@ -244,6 +257,8 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     add(("  or: the optimizer step's temporaries (fp32, foreach AdamW)", step, ""))
     plan.update = max(saved + transient + mask + logits, step)
     plan.update_tokens = tokens if budget is not None else 0
+    plan.checkpoint_bytes = shape.trained * (4 * 2 + 4)  # two fp32 moments; fp32 masters or the fp32 weights
+    plan.export_bytes = shape.params * s
 
     if budget is not None:
         knobs_update = (f"lower train.micro_batch (now {micro_batch}) or train.train_layers, or the lengths "

@@ -151,7 +151,7 @@ def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
 
 def planner_name(model_cfg: dict) -> str:
     """The planner's model: model.planner, or model.name when it is empty."""
-    return model_cfg["planner"] or model_cfg["name"]
+    return model_cfg.get("planner") or model_cfg["name"]
 
 
 def check_models(cfg: dict, training: bool = True) -> list[str]:

@@ -51,3 +51,4 @@ def test_the_smoke_config_runs_the_whole_pipeline(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2] and all(m["optimizer_steps"] == 1 for m in rows)
     assert (tmp_path / "checkpoints" / "step_2" / "trainer_state.pt").exists() and (tmp_path / "report.html").exists()
+    assert (tmp_path / "model" / "model.safetensors").exists()  # the trained planner, exported at the end

@@ -160,7 +160,7 @@ def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
     # rewards, advantages (the group index is the global one).
     assert lines(two / "trajectories" / "step_1.jsonl") == lines(one / "trajectories" / "step_1.jsonl")
     rank0, rank1 = trained(runs / f"{name}_rank0_step1.pt"), trained(runs / f"{name}_rank1_step1.pt")
-    reference = load_file(str(one / "checkpoints" / "step_1" / "model.safetensors"))
+    reference = load_file(str(one / "model" / "model.safetensors"))
     assert rank0.keys() == rank1.keys() and rank0
     for key in rank0:
         assert torch.equal(rank0[key], rank1[key]), key  # one optimizer step, taken on each rank
@@ -174,7 +174,7 @@ def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
             assert a.dtype == torch.float32
             torch.testing.assert_close(b, a, rtol=0, atol=WEIGHT_ATOL)
     # The checkpoint rank 0 wrote holds those weights.
-    written = load_file(str(two / "checkpoints" / "step_1" / "model.safetensors"))
+    written = load_file(str(two / "model" / "model.safetensors"))
     assert all(torch.equal(written[key], rank0[key]) for key in rank0)
 
     (m1,), (m2,) = [json.loads(x) for x in lines(one / "metrics.jsonl")], [json.loads(x) for x in lines(two / "metrics.jsonl")]
@@ -222,7 +222,7 @@ def test_resume_under_two_ranks_equals_the_uninterrupted_run(runs):
         resumed = trained(runs / f"cut_rank{rank}_step2.pt")
         for name in full:
             torch.testing.assert_close(resumed[name], full[name], rtol=0, atol=1e-6)
-    full_ck = load_file(str(runs / "full" / "checkpoints" / "step_2" / "model.safetensors"))
-    cut_ck = load_file(str(runs / "cut" / "checkpoints" / "step_2" / "model.safetensors"))
+    full_ck = load_file(str(runs / "full" / "model" / "model.safetensors"))
+    cut_ck = load_file(str(runs / "cut" / "model" / "model.safetensors"))
     for name in full_ck:
         torch.testing.assert_close(cut_ck[name], full_ck[name], rtol=0, atol=1e-6)

@@ -90,6 +90,6 @@ def test_recipe_4_a_planner_model_of_ones_own(fork, tiny_model_dir):
     the frozen modules."""
     shutil.copytree(tiny_model_dir, fork / "models" / "my-planner")
     out = run_recipe(4, fork, "train.train_layers=2")
-    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1")
+    trained = AutoModelForCausalLM.from_pretrained(out / "model")
     assert trained.config.num_hidden_layers == 2 and trained.config.hidden_size == 64  # the planner trained
     assert json.loads((out / "config.json").read_text())["model"]["name"] == "smollm2-135m"

@@ -63,6 +63,10 @@ def test_the_paper_setup_fits(qwen7b, gb, capsys):
     assert p.peak <= gb * GB and p.resident + p.update <= gb * GB
     assert p.rows_per_sub_batch >= (100 if gb == 80 else 256)  # 141 GB: all 256 rollouts in one sub-batch
     assert p.sub_batch_bytes and p.prefill_tokens == 8192 and p.update_tokens == 2 * 4096
+    # On disk: a checkpoint is the trained weights in fp32 (masters) and two moments, the export
+    # the whole bf16 model; two checkpoints at once is the most a run holds.
+    assert p.checkpoint_bytes == 12 * p.shape.trained and p.export_bytes == 2 * p.shape.params
+    assert p.disk_bytes == 2 * p.checkpoint_bytes and "out_dir needs" in p.text()
     # The frozen reference shares the 20 frozen blocks: one copy of the weights (~15 GB in
     # bf16), not two, and only the trained ~1.9B parameters are copied.
     assert 15.0 * GB < p.items[0][1] < 15.5 * GB and p.items[1][1] < 4 * GB

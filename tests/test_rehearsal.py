@@ -198,13 +198,13 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     assert set(m["tool_shares"]) == set(cfg["agent"]["tools"])  # ... after every tool ran
     assert "/w/api.php" in api.seen and "/search" in api.seen
     assert chunked  # the loss ran through the chunked log-probs
-    # bf16 weights in the checkpoint, fp32 masters beside them.
+    # bf16 weights in the exported model; the checkpoint holds their fp32 masters, not them.
     from transformers import AutoModelForCausalLM
 
     ck = out / "checkpoints" / "step_1"
-    assert next(AutoModelForCausalLM.from_pretrained(ck).parameters()).dtype == torch.bfloat16
+    assert next(AutoModelForCausalLM.from_pretrained(out / "model").parameters()).dtype == torch.bfloat16
     state = torch.load(ck / "trainer_state.pt", weights_only=False)
-    assert state["masters"] and all(t.dtype == torch.float32 for t in state["masters"])
+    assert state["masters"] and all(t.dtype == torch.float32 for t in state["masters"]) and state["trained"] == {}
     start = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).state_dict()
     trained = [k for k in start if k.startswith(("model.layers.2.", "model.layers.3.", "model.norm"))]
     assert len(state["masters"]) == len(trained)

@@ -65,11 +65,12 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
     assert all(r["ratio_dev_first_step"] == 0.0 for r in rows)  # pi_old is the trainer's own forward
     assert rows[0]["planner_tokens"] > 0
     assert rows[0]["judge"] == {"rule": 4, "llm": 0, "llm_failed": 0}  # who decided each of the 2x2 rewards
-    # Checkpoint in Hugging Face format, loadable as is, with weights that moved.
-    ck = out / "checkpoints" / "step_2"
-    model = AutoModelForCausalLM.from_pretrained(ck)
+    # The trained planner exported whole in Hugging Face format, loadable as is, with weights
+    # that moved; the checkpoint holds what a resume needs, no model.
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.config.num_hidden_layers == 2
-    before, after = weights(tiny_model_dir), weights(ck)
+    assert [p.name for p in (out / "checkpoints" / "step_2").iterdir()] == ["trainer_state.pt"]
+    before, after = weights(tiny_model_dir), weights(out / "model")
     moved = any(not torch.equal(before[k], after[k]) for k in before)
     assert any(r["zero_variance_groups"] < 1 for r in rows), "the test reward must give a signal"
     assert moved
@@ -98,8 +99,8 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, learnable_reward)
     run(tiny_cfg(tiny_model_dir, tmp_path / "cut", "train.steps=2", "train.save_every=1",
                  "train.eval_before_after=false"))
     run(tiny_cfg(tiny_model_dir, tmp_path / "cut", *common))
-    a = weights(tmp_path / "full" / "checkpoints" / "step_3")
-    b = weights(tmp_path / "cut" / "checkpoints" / "step_3")
+    a = weights(tmp_path / "full" / "model")
+    b = weights(tmp_path / "cut" / "model")
     start = weights(tiny_model_dir)
     assert any(not torch.equal(a[k], start[k]) for k in a), "training must have moved the weights"
     for k in a:
@@ -335,7 +336,7 @@ def test_a_step_where_every_rollout_failed_does_not_update(tiny_model_dir, tmp_p
     assert metrics["excluded_trajectories"] == 4 and metrics["excluded_groups"] == 2
     assert metrics["reward_mean"] is None and metrics["kl"] is None and metrics["optimizer_steps"] == 0
     assert "no update" in capsys.readouterr().err
-    before, after = weights(tiny_model_dir), weights(tmp_path / "run" / "checkpoints" / "step_1")
+    before, after = weights(tiny_model_dir), weights(tmp_path / "run" / "model")
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing moved
 def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
     """One copy of each frozen weight: pi_ref holds the policy's own tensors for them and
@@ -377,7 +378,7 @@ def test_a_bf16_checkpoint_restores_the_masters(tiny_model_dir, tmp_path):
     for _ in range(2):
         model(input_ids=x, labels=x).loss.backward()
         opt.step(1.0)
-    save_checkpoint(tmp_path, 2, model, tok, opt)
+    save_checkpoint(tmp_path, 2, model, opt)
     model2, _, opt2 = build()
     assert resume(tmp_path, model2, opt2) == 2
     masters, masters2 = opt.masters, opt2.masters
@@ -554,7 +555,7 @@ def test_the_planner_and_the_frozen_modules_may_be_different_models(tiny_model_d
         train.AgentSystem.__init__ = real
     assert seen["planner"].config.num_hidden_layers == 2 and seen["frozen"].config.num_hidden_layers == 3
     assert "the frozen modules' own model" in capsys.readouterr().out  # the plan counts it
-    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1")
+    trained = AutoModelForCausalLM.from_pretrained(out / "model")
     assert trained.config.num_hidden_layers == 2  # the planner is what trains
     assert all(torch.equal(before[k], v) for k, v in seen["frozen"].state_dict().items())  # never moved
     odd = tmp_path / "odd_tokenizer"
@@ -565,3 +566,30 @@ def test_the_planner_and_the_frozen_modules_may_be_different_models(tiny_model_d
     assert train.main([str(ROOT / "config.yaml"), *tiny_overrides(tiny_model_dir, tmp_path / "r2"),
                        f"model.planner={odd}"]) == 2
     assert "different tokenizers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_checkpoint_exports_the_model_train_exports(tiny_model_dir, tmp_path, dtype):
+    """The checkpoint holds what a resume needs (bf16 weights as their fp32 masters);
+    scripts/export_model rebuilds from it the very model train.py exported at the end."""
+    from scripts import export_model
+    out = tmp_path / "run"
+    run(tiny_cfg(tiny_model_dir, out, "train.steps=1", "train.eval_before_after=false", f"model.dtype={dtype}"))
+    shutil.move(out / "model", tmp_path / "exported_by_train")
+    assert export_model.main([str(out)]) == 0
+    a, b = weights(tmp_path / "exported_by_train"), weights(out / "model")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert export_model.main([str(tmp_path / "no_run")]) == 2
+
+
+def test_a_run_whose_checkpoints_would_not_fit_on_disk_stops_before_loading(tmp_path, monkeypatch, capsys):
+    """The preflight holds the plan's disk need against out_dir's free space."""
+    import collections
+
+    from support import checkpoints
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(
+        10 ** 9, 10 ** 9 - 10 ** 6, 10 ** 6))
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the preflight must refuse first"))
+    assert train.main([str(ROOT / "config.yaml"), f"out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "out_dir: 0.0 GB free" in err and "--plan" in err
