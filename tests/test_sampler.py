@@ -611,3 +611,27 @@ def test_shared_groups_without_a_common_prefix(tiny_llm, cap):
     llm = LLM(tiny_llm.model, tiny_llm.tok)
     llm.prefill_tokens = cap
     check_against_naive(llm, prompts, n=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pad_rows_without_a_shared_prefix_stay_finite(tiny_llm, dtype):
+    """Rows that share no prefix (nothing runs once for all of them) and differ in length by
+    far: the left pads of the short rows are queries whose every key is masked, which some
+    attention kernels turn into NaN, and a NaN in a pad's value would reach the real tokens
+    through 0 * NaN. The prefill's logits, plain and fast, must be finite and each row's
+    must equal the row run alone; in the dtype a GPU run uses too."""
+    import copy
+
+    from agentflow import prefill as plain_prefill
+    from support import speed
+
+    model = copy.deepcopy(tiny_llm.model).to(dtype)
+    prompts = [[7 + i] * n for i, n in enumerate((3, 40, 1, 25))]  # no common first token, lengths 1..40
+    alone = torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in prompts])  # [4, V]
+    for way in (plain_prefill, speed.prefill_prompts):
+        with torch.no_grad():
+            logits, mask, _ = way(model, prompts, tiny_llm.pad_id)
+        logits = logits.float()  # [4, V]
+        assert torch.isfinite(logits).all(), way.__name__
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        assert (logits - alone).abs().max() < tol * alone.abs().max(), (way.__name__, (logits - alone).abs().max())
