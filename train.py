@@ -127,6 +127,7 @@ def run(cfg: dict) -> dict:
         print(plan.text(), flush=True)
     if not plan.fits:
         raise PlanError("; ".join(plan.problems))
+    t["micro_batch"] = plan.micro_batch  # "auto": the plan's choice
     # The tools first: where the Python sandbox cannot work, the run stops before the model loads.
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are

@@ -85,7 +85,9 @@ DEFAULTS = {
         "row_weight": "trajectory",  # trajectory (J's 1/T_i average over a rollout's turns) | turn (rows alike)
         "epochs": 1,  # PPO epochs over one rollout batch
         "minibatches": 1,  # optimizer steps per epoch
-        "micro_batch": 16,  # rows per forward/backward (memory only; the result does not change)
+        # rows per forward/backward (memory only; the result does not change); "auto": the
+        # most the memory plan fits beside everything else, up to 16 (16 without a budget)
+        "micro_batch": 16,
         "logits_chunk": 1024,  # action positions whose [chunk, V] float32 logits exist at once in the loss
         "train_layers": 0,  # 0 = train every weight; N = only the top N blocks and the final norm
         "save_every": 10,  # checkpoint every N steps (and at the end)
@@ -187,7 +189,13 @@ def merge(cfg: dict, new: dict, ref: dict, prefix: str = "", choices: dict = CHO
         cfg[key] = _coerce(name, value, want, choices)
 
 
+# Keys that take "auto" beside a value of their type (decided at start, by the memory plan).
+AUTO_KEYS = {"train.micro_batch"}
+
+
 def _coerce(name: str, value, want, choices: dict):
+    if name in AUTO_KEYS and value == "auto":
+        return value
     kind = type(want)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -199,8 +207,8 @@ def _coerce(name: str, value, want, choices: dict):
     if kind is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"config key '{name}' must be a {kind.__name__} (default {want!r}), "
-                          f"got {type(value).__name__} {value!r}")
+        raise ConfigError(f"config key '{name}' must be a {kind.__name__}" + (" or auto" if name in AUTO_KEYS else "")
+                          + f" (default {want!r}), got {type(value).__name__} {value!r}")
     if name in choices and value not in choices[name]:
         raise ConfigError(f"config key '{name}' must be one of {', '.join(choices[name])}, got {value!r}")
     return value
@@ -214,7 +222,9 @@ def _check_combinations(cfg: dict) -> None:
                           "scores its actions under softmax(logits / temperature)")
     if planner["first_temperature"] < 0:
         raise ConfigError("agent.planner.first_temperature must be >= 0 (0 = the same as temperature)")
-    for key in ("steps", "queries_per_step", "group_size", "epochs", "minibatches", "micro_batch"):
+    if t["micro_batch"] != "auto" and t["micro_batch"] < 1:
+        raise ConfigError(f"config key 'train.micro_batch' must be >= 1 or auto, got {t['micro_batch']}")
+    for key in ("steps", "queries_per_step", "group_size", "epochs", "minibatches"):
         if t[key] < 1:
             raise ConfigError(f"config key 'train.{key}' must be >= 1, got {t[key]}")
     if t["group_size"] < 2:

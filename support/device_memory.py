@@ -100,6 +100,7 @@ class Plan:
     prefill_tokens: int | None = None  # agentflow.LLM.prefill_tokens
     update_tokens: int = 0  # flow_grpo.micro_batches' max_tokens (0 = no cap)
     rows_per_sub_batch: int = 0
+    micro_batch: int = 0  # the update's rows per forward this plan was made for (train.micro_batch)
     problems: list[str] = field(default_factory=list)  # why it cannot fit, each naming a knob
     # On disk (support/checkpoints.py): one checkpoint (the trained weights in fp32, as
     # themselves or as masters, and AdamW's moments), the final export (the whole model), and
@@ -186,7 +187,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     are sized for the larger of the two."""
     s = torch.finfo(getattr(torch, dtype)).bits // 8  # bytes per weight
     low = s < 4
-    plan = Plan(shape, dtype, device, budget)
+    plan = Plan(shape, dtype, device, budget, micro_batch=micro_batch)
     add = plan.items.append
     weights = shape.params * s
     add((f"weights, one copy ({shape.params / 1e9:.2f}B parameters, {dtype})", weights, ""))
@@ -277,6 +278,19 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     return plan
 
 
+def device_peaks() -> dict:
+    """The most GPU memory torch's tensors held, and the most its allocator reserved (what
+    the card actually lost, fragmentation included), in GB since the last call, which
+    resets both; {} where no GPU is in use. A step's row of metrics.jsonl carries them,
+    beside the plan's peaks that train.py prints at start."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    out = {"gpu_allocated_peak_gb": torch.cuda.max_memory_allocated() / GB,
+           "gpu_reserved_peak_gb": torch.cuda.max_memory_reserved() / GB}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
 def kv_bytes_per_token(config, itemsize: int) -> int:
     """Bytes of the keys and values of one token in every layer of a decoder config:
     2 x layers x kv heads x head dim x itemsize (Shape.kv_bytes_per_token, without a Shape)."""
@@ -346,12 +360,30 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
     if planner_name(m) != m["name"]:  # the frozen modules run a model of their own
         frozen = model_shape(AutoConfig.from_pretrained(resolve_model(m["name"])), 0, name=m["name"])
     max_new = max(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier", "generator"))
-    return make_plan(shape, dtype=cfg["model"]["dtype"], device=device, budget=budget,
-                     max_prompt=cfg["model"]["max_prompt_tokens"], max_new=max_new,
-                     planner_new=a["planner"]["max_new_tokens"],
-                     rollout_rows=-(-t["queries_per_step"] // ranks) * t["group_size"],  # the largest share
-                     eval_rows=e["batch_size"], micro_batch=t["micro_batch"],
-                     prefill_tokens=m["prefill_tokens"], logits_chunk=t["logits_chunk"], frozen=frozen)
+    plan = lambda micro_batch: make_plan(
+        shape, dtype=cfg["model"]["dtype"], device=device, budget=budget, max_prompt=cfg["model"]["max_prompt_tokens"],
+        max_new=max_new, planner_new=a["planner"]["max_new_tokens"],
+        rollout_rows=-(-t["queries_per_step"] // ranks) * t["group_size"],  # the largest share
+        eval_rows=e["batch_size"], micro_batch=micro_batch, prefill_tokens=m["prefill_tokens"],
+        logits_chunk=t["logits_chunk"], frozen=frozen)
+    if t["micro_batch"] != "auto":
+        return plan(t["micro_batch"])
+    if budget is None:  # nothing to fit
+        return plan(AUTO_MICRO_BATCH)
+    # The most rows per update forward that fit beside the resident memory (the update's
+    # peak grows with them; the sampler's does not), up to AUTO_MICRO_BATCH.
+    best = plan(1)
+    for rows in range(2, AUTO_MICRO_BATCH + 1):
+        bigger = plan(rows)
+        if not bigger.fits:
+            break
+        best = bigger
+    return best
+
+
+# train.micro_batch: auto stops here: past a few thousand tokens per forward a GPU is busy
+# and more rows only add memory.
+AUTO_MICRO_BATCH = 16
 
 
 class PlanError(RuntimeError):

@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from support.device_memory import device_peaks
 from support.ranks import SINGLE
 from support.report.page import write_report
 
@@ -64,7 +65,7 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
         "infra": [infra_failures(tr) for tr in trajs],
         "model_errors": sum(1 for tr in trajs for r in tr.memory.records if r.tool and r.error and not r.infra),
         "verdicts": [{k: v[k] for k in ("judge", "judge_error") if k in v} for v in verdicts if v is not None],
-        "hits": hits, "sub_batches": sub_batches, "times": times})
+        "hits": hits, "sub_batches": sub_batches, "times": times, "gpu": device_peaks()})
     every = lambda key: [x for p in per_rank for x in p[key]]
     rewards, group_rewards, turns = every("rewards"), every("group_rewards"), every("turns")
     correct, terms = every("correct"), every("terms")
@@ -90,7 +91,8 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
             "tool_cache_hits": sum(p["hits"] for p in per_rank),  # each rank has its own cache
             "judge": judge_counts(every("verdicts")), **update, "lr": lr,
             "sampler_sub_batches": sum(p["sub_batches"] for p in per_rank),
-            "time_rollout": times[0], "time_judge": times[1], "time_update": times[2]}
+            "time_rollout": times[0], "time_judge": times[1], "time_update": times[2],
+            **{k: max(p["gpu"][k] for p in per_rank) for k in per_rank[0]["gpu"]}}  # the fullest card's
 
 
 def judge_counts(verdicts: list[dict]) -> dict:

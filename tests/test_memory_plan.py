@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import train
-from support.config import load_config
+from support.config import ConfigError, load_config
+from support import device_memory
 from support.device_memory import GB, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,8 @@ def test_the_paper_setup_fits(qwen7b, gb, capsys):
     assert p.fits, p.text()
     assert p.peak <= gb * GB and p.resident + p.update <= gb * GB
     assert p.rows_per_sub_batch >= (100 if gb == 80 else 256)  # 141 GB: all 256 rollouts in one sub-batch
-    assert p.sub_batch_bytes and p.prefill_tokens == 8192 and p.update_tokens == 2 * 4096
+    assert p.sub_batch_bytes and p.prefill_tokens == 8192 and p.update_tokens == p.micro_batch * 4096
+    assert p.micro_batch >= 2  # micro_batch: auto, the plan's choice
     # On disk: a checkpoint is the trained weights in fp32 (masters) and two moments, the export
     # the whole bf16 model; two checkpoints at once is the most a run holds.
     assert p.checkpoint_bytes == 12 * p.shape.trained and p.export_bytes == 2 * p.shape.params
@@ -73,6 +75,23 @@ def test_the_paper_setup_fits(qwen7b, gb, capsys):
     print(p.text())
     out = capsys.readouterr().out
     assert "fits" in out and "rows per sub-batch" in out
+
+
+@pytest.mark.parametrize("gb", [80, 141])
+def test_micro_batch_auto_is_the_most_that_fits(qwen7b, gb):
+    p = plan(qwen7b, f"model.memory_gb={gb}", *PAPER_LENGTHS)
+    assert p.fits and 1 <= p.micro_batch <= device_memory.AUTO_MICRO_BATCH
+    one_more = plan(qwen7b, f"model.memory_gb={gb}", f"train.micro_batch={p.micro_batch + 1}", *PAPER_LENGTHS)
+    assert not one_more.fits or p.micro_batch == device_memory.AUTO_MICRO_BATCH
+    assert f"update: activations, {p.micro_batch} x 4096 tokens" in p.text()  # --plan shows the choice
+
+
+def test_micro_batch_auto_without_a_budget_and_bad_values(tiny_model_dir):
+    cfg = load_config(str(ROOT / "config.yaml"), [f"model.name={tiny_model_dir}", "train.micro_batch=auto"])
+    assert plan_for(cfg).micro_batch == device_memory.AUTO_MICRO_BATCH
+    for bad in ("0", "big", "2.5"):
+        with pytest.raises(ConfigError, match="train.micro_batch.*auto"):
+            load_config(str(ROOT / "config.yaml"), [f"train.micro_batch={bad}"])
 
 
 def test_refusals_name_the_knob(qwen7b):
