@@ -14,7 +14,8 @@ Nothing here changes WHAT is computed; each part changes how much work it takes:
     once.
   * decode_step: one decode position written out for Llama and Qwen2 decoders, without
     the general forward's per-step overhead; its linears as W @ x^T or x @ W^T,
-    whichever this machine runs faster (choose_decode measures it once).
+    whichever this machine runs faster (choose_decode measures it once). On a GPU,
+    opt-in: decode_step_static, the same step on fixed shapes, replayed as a CUDA graph.
   * draw: inverse-CDF sampling, one uniform per row instead of torch.multinomial's
     random number per vocabulary entry.
 
@@ -27,6 +28,7 @@ import json
 import os
 import platform
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -525,7 +527,9 @@ def choose_decode(model) -> str:
     per machine, torch version, thread count, device, dtype and model shape, then
     remembered in the cache folder (engine.json), so every later run on this machine
     takes the same path and stays repeatable. The AGENTFLOW_DECODE environment variable
-    (forward | step | step_transposed) overrides the measurement."""
+    (forward | step | step_transposed | step_static) overrides the measurement; the
+    static step (decode_step_static, a CUDA graph on a GPU) is never measured, only
+    chosen this way."""
     names = ("forward", *DECODE_STEPS)
     forced = os.environ.get("AGENTFLOW_DECODE", "")
     if forced and forced not in names:
@@ -607,7 +611,7 @@ def _measure_decode(model, rows: int = 32, context: int = 8, rounds: int = 5) ->
     mask = torch.ones((rows, context + 1), dtype=torch.long, device=dev)  # [b, c+1]
     forward = lambda model, tok, pos, mask, cache: model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
                                                          cache=cache, use_cache=True)
-    ways = {"forward": forward, **DECODE_STEPS}
+    ways = {"forward": forward, **{name: DECODE_STEPS[name] for name in MEASURED_DECODE_STEPS}}
     best = {name: float("inf") for name in ways}
     for r in range(rounds + 1):  # round 0 warms every way up
         for name, fn in ways.items():
@@ -644,12 +648,23 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     Same math as the HF forward, but not the same summation order: log-probs agree to
     ~1e-5 in fp32 (tests/test_sampler.py), greedy tokens are the same.
     """
+    dtype = model.model.embed_tokens.weight.dtype  # the residual stream's
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)  # [b, S]
+    bias = bias.masked_fill(mask == 0, torch.finfo(dtype).min)[:, None, None, :]  # [b, 1, 1, S]
+    return _decode_layers(model, tok, pos, bias, lambda i, k, v: cache.update(k, v, i), linear)
+
+
+def _decode_layers(model, tok: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, write_kv,
+                   linear=lambda x, lin: lin(x)) -> torch.Tensor:
+    """The arithmetic of decode_step, shared with the static step (StaticDecoder), so that
+    both run the same modules in the same order: logits [b, V]. bias [b, 1, 1, S] is 0
+    where a row may attend and the dtype's minimum elsewhere; write_kv(i, k, v) stores
+    layer i's new keys and values [b, kv, 1, D] and returns the keys and values to attend
+    over, [b, kv, S, D] each."""
     decoder = model.model
     b = tok.shape[0]
     x = decoder.embed_tokens(tok)  # [b, h] the residual stream
     cos, sin = decoder.rotary_emb(x, pos)  # [b, 1, D] each
-    bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)  # [b, S]
-    bias = bias.masked_fill(mask == 0, torch.finfo(x.dtype).min)[:, None, None, :]  # [b, 1, 1, S]
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         D, kv_heads = attn.head_dim, attn.config.num_key_value_heads
@@ -658,7 +673,7 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
         k = linear(h, attn.k_proj).view(b, kv_heads, 1, D)  # [b, kv, 1, D]
         v = linear(h, attn.v_proj).view(b, kv_heads, 1, D)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        keys, values = cache.update(k, v, i)  # [b, kv, S, D]: the new position written in place
+        keys, values = write_kv(i, k, v)  # [b, kv, S, D]: the new position written in place
         q = q.view(b, kv_heads, -1, D)  # [b, kv, g, D]: the g query heads that share each KV head
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
                                                                scale=attn.scaling)  # [b, kv, g, D]
@@ -680,8 +695,136 @@ def linear_transposed(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
     return (y + lin.bias if lin.bias is not None else y).contiguous()
 
 
+# ----------------------------------------------------------------------------------------
+# The static decode step: one CUDA graph per step on a GPU
+
+
+class StaticDecoder:
+    """decode_step on fixed shapes and fixed addresses, so that on a GPU a step is one CUDA
+    graph replay instead of ~2,000 kernel launches (a 7B model: 28 layers x ~70 small
+    kernels), which at a few dozen rows take longer to launch than to run.
+
+    A graph replays the kernels it recorded, with the same shapes and pointers; whatever
+    decode_step decides with Python values has to become data in fixed buffers:
+      * the new keys and values go into the cache's own buffers [rows, kv, capacity, D]
+        (k_buffer, v_buffer: the sampler's prefill allocates them at their final size, so
+        they never move) at the column held in a device tensor, `col`, by index_copy_;
+      * attention reads ALL `capacity` columns of the first B rows, with a bias [B, 1, 1,
+        capacity] that masks pads and the columns not written yet (those are zeroed once
+        here: a masked key still enters the sum as exp(min) x value = 0 only if the value
+        is finite, and fresh memory can hold NaN);
+      * the batch has B rows, fixed. The sampler's b <= B live rows are the first b rows
+        of the buffers (batch_select_indices moves kept rows down in place); rows b..B-1
+        compute garbage that nobody reads, until b <= B / 2, when decode_step_static makes
+        a new StaticDecoder of b rows (a new capture).
+    tok, pos, bias and col are copied into their static buffers before each step; the
+    logits come out of a static buffer. On a CPU the same step runs eagerly, step by step
+    (what tests/test_graph_decode.py compares with decode_step); on a GPU it is captured
+    once and replayed. A StaticDecoder serves one cache: its graph holds that cache's
+    buffer addresses (decode_step_static keeps one per cache and forgets it with the cache).
+    """
+
+    runs = 0  # static steps run, all instances together (tests: proof the static way ran)
+    setups = 0  # StaticDecoders made (on a GPU: graphs captured)
+    WARMUP = 3  # eager runs on a side stream before a capture, as torch.cuda.graph's docs ask
+
+    def __init__(self, model, layers: list[PreallocatedLayer], rows: int):
+        first = layers[0]
+        if any(layer.k_live.data_ptr() != layer.k_buffer.data_ptr() for layer in layers):
+            raise RuntimeError("the live rows must be the first rows of the cache's buffers")
+        dev, capacity, written = first.k_buffer.device, first.k_buffer.shape[2], first.length
+        dtype = model.model.embed_tokens.weight.dtype  # the residual stream's, as in decode_step
+        self.model, self.rows, self.min = model, rows, torch.finfo(dtype).min
+        self.buffers = [(layer.k_buffer, layer.v_buffer) for layer in layers]  # to notice a move (_move)
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)  # [B] each row's previous token
+        self.pos = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # [B, 1] its position
+        self.bias = torch.full((rows, 1, 1, capacity), self.min, dtype=dtype, device=dev)  # [B, 1, 1, C] 0 = attend
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)  # [1] the column the new position goes to
+        self.k = [k[:rows] for k, _ in self.buffers]  # [B, kv, C, D] views: fixed addresses
+        self.v = [v[:rows] for _, v in self.buffers]
+        for k, v in zip(self.k, self.v):  # not written yet: finite (see above)
+            k[:, :, written:].zero_()
+            v[:, :, written:].zero_()
+        self.graph, self.logits = None, None  # logits [B, V]: the output of the last step
+        StaticDecoder.setups += 1
+
+    def _step(self) -> torch.Tensor:
+        """decode_step's arithmetic on the static buffers: logits [B, V]."""
+        def write_kv(i, k, v):  # k, v [B, kv, 1, D] into column col; attend over all C columns
+            return self.k[i].index_copy_(2, self.col, k), self.v[i].index_copy_(2, self.col, v)  # [B, kv, C, D]
+        return _decode_layers(self.model, self.tok, self.pos, self.bias, write_kv)
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """decode_step(tok [b], pos [b, 1], mask [b, S]) for b <= B rows: logits [b, V].
+        Writes the new position into column S - 1 of the buffers' first B rows."""
+        b, S = mask.shape
+        self.tok[:b].copy_(tok)
+        self.pos[:b].copy_(pos)
+        bias = torch.zeros(mask.shape, dtype=self.bias.dtype, device=mask.device)  # [b, S]
+        self.bias[:b, 0, 0, :S] = bias.masked_fill_(mask == 0, self.min)  # columns S.. stay masked
+        self.col.fill_(S - 1)  # a kernel with a scalar argument: no wait for the device
+        if self.tok.device.type == "cuda":
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            self.logits = self._step()
+        StaticDecoder.runs += 1
+        return self.logits[:b].clone()  # the next step overwrites self.logits
+
+    def _capture(self) -> None:
+        """Record one step as a CUDA graph; self.logits becomes its output buffer. The
+        warm-up runs first, on a side stream (cuBLAS workspaces, lazy initialisation and
+        kernel choices happen there, never inside the capture). Every run writes the same
+        keys and values into column col as the replay will: repeating a step changes
+        nothing."""
+        with torch.cuda.device(self.tok.device):
+            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(current)  # the inputs copied above are ready
+            with torch.cuda.stream(side):
+                for _ in range(self.WARMUP):
+                    self._step()
+            current.wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()  # [B, V] in the graph's own memory pool, rewritten by each replay
+
+
+# The StaticDecoder of each cache: weakly keyed, so that it goes with its cache (and its
+# graph with it): a graph never outlives the buffers it writes, and a new cache (a new
+# sub-batch, a new sample call) always gets a new one.
+_STATIC: "weakref.WeakKeyDictionary[Cache, StaticDecoder]" = weakref.WeakKeyDictionary()
+
+
+def decode_step_static(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    """decode_step through the cache's StaticDecoder: a CUDA graph on a GPU, the same step
+    run eagerly on a CPU; logits [b, V]. `cache` is the sampler's (speed.prefill_prompts's
+    preallocated_cache, planned with room for every new token). Opt-in (AGENTFLOW_DECODE=
+    step_static or LLM.use_decode): choose_decode never measures it."""
+    layers = cache.layers
+    if not layers or not all(isinstance(layer, PreallocatedLayer) and layer.k_live is not None for layer in layers):
+        raise TypeError("step_static decodes from the fast prefill's cache (speed.preallocated_cache) only")
+    b, S = mask.shape  # S - 1 positions cached; the new one goes to column S - 1
+    if layers[0].length != S - 1:
+        raise ValueError(f"the cache holds {layers[0].length} positions, the mask {S - 1}")
+    if S > layers[0].k_buffer.shape[2]:  # more positions than planned: grow (new buffers: a new capture below)
+        for layer in layers:
+            layer._move(2 * S)
+    static = _STATIC.get(cache)
+    if (static is None or not b <= static.rows < 2 * b  # first step, or half the rows or fewer left
+            or any(layer.k_buffer is not k for layer, (k, _) in zip(layers, static.buffers))):  # moved
+        static = _STATIC[cache] = StaticDecoder(model, layers, b)
+    logits = static(tok, pos, mask)  # [b, V]
+    for layer in layers:  # one position more, as cache.update leaves it (batch_select_indices reads length)
+        layer.length = S
+        layer._views()
+    return logits
+
+
 # The written-out decode steps by name (choose_decode, AGENTFLOW_DECODE, run.json's "decode").
-DECODE_STEPS = {"step": decode_step, "step_transposed": decode_step_transposed}
+# choose_decode measures MEASURED_DECODE_STEPS; step_static is opt-in (decode_step_static).
+DECODE_STEPS = {"step": decode_step, "step_transposed": decode_step_transposed, "step_static": decode_step_static}
+MEASURED_DECODE_STEPS = ("step", "step_transposed")
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

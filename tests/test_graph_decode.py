@@ -1,0 +1,262 @@
+"""The static decode step (speed.decode_step_static, "step_static"): on a GPU it is replayed
+as a CUDA graph; on a CPU the very same step runs eagerly, and here it must give what the
+eager decode_step ("step") gives, in the sampler's own loop: rows of different lengths
+behind a shared prefix, rows that finish early (the batch shrinks inside fixed buffers),
+sub-batches, sampled tokens, in float32 and bfloat16.
+
+Every test counts StaticDecoder.runs: a static way that silently fell back to another
+way would still give the right tokens, and must fail here."""
+
+import gc
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from agentflow import LLM, SamplingParams
+from support import speed
+from support.speed import StaticDecoder
+from test_sampler import QUESTIONS, SYSTEM, tiny_qwen2
+
+
+def qwen2_llm(tiny_llm, monkeypatch, dtype=torch.float32, **kw) -> LLM:
+    """An LLM over a tiny random Qwen2 (q/k/v biases) with the real tokenizer, created
+    under AGENTFLOW_DECODE=step_static: the environment variable selects the way."""
+    model = tiny_qwen2(tiny_llm.model.config.vocab_size)
+    with torch.no_grad():  # at the default init every row repeats one token; these vary
+        model.model.embed_tokens.weight.normal_(0, 0.3)
+        model.lm_head.weight.normal_(0, 0.3)  # decisive greedy choices, as conftest's tiny Llama
+    monkeypatch.setenv("AGENTFLOW_DECODE", "step_static")
+    llm = LLM(model.to(dtype), tiny_llm.tok, **kw)
+    assert llm.decode_name == "step_static" and llm.decode is speed.decode_step_static
+    return llm
+
+
+def prompts_of(llm: LLM) -> list[list[int]]:
+    """A shared prefix (system prompt), rests of different lengths, rows that share their
+    question beyond it (pads in the middle of the layout), a duplicate."""
+    plain = [llm.chat_ids(SYSTEM, q, "Tool:") for q in QUESTIONS]
+    memory = [llm.chat_ids(SYSTEM, f"{q}\nMemory: {m}") for q in QUESTIONS[1:3]
+              for m in ("none yet", "Turn 1 found the year 1204.")]
+    prompts = plain + memory + plain[:1]
+    assert len({len(p) for p in prompts}) > 3
+    return prompts
+
+
+def sample_both(llm: LLM, prompts, params, seed=0, row_stops=None):
+    """(the samples of "step", of "step_static", static steps run, StaticDecoders made)."""
+    llm.use_decode("step")
+    ref = llm.sample(prompts, params, seed=seed, row_stops=row_stops)
+    llm.use_decode("step_static")
+    runs, setups = StaticDecoder.runs, StaticDecoder.setups
+    ours = llm.sample(prompts, params, seed=seed, row_stops=row_stops)
+    return ref, ours, StaticDecoder.runs - runs, StaticDecoder.setups - setups
+
+
+def assert_same(ref, ours, tol=1e-5):
+    for a, b in zip(ref, ours, strict=True):
+        assert a.ids == b.ids and a.finish == b.finish and a.text == b.text
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < tol
+
+
+def early_finishes(llm: LLM, prompts, n: int):
+    """Row stops and an extra EOS id, taken from greedy text, that end five of the nine
+    rows at different steps after the first decode step (rows 0, 3, 4, 6 on a stop
+    string, the text of their tokens k-1 and k; row 2 on its 5th token, now an EOS id);
+    the other rows run to the length limit."""
+    llm.use_decode("step")
+    free = llm.sample(prompts, SamplingParams(0.0, max_new_tokens=n))
+    row_stops = [()] * len(prompts)
+    for r, k in ((0, 3), (3, 5), (4, 8), (6, 11)):
+        row_stops[r] = (llm.tok.decode(free[r].ids[k - 1:k + 1]),)
+    eos_extra = free[2].ids[4]
+    return row_stops, eos_extra
+
+
+def finish_steps(samples) -> list[int]:
+    """How many tokens each row drew before it ended early (the rows that did)."""
+    return sorted(len(s.ids) for s in samples if s.finish != "length")
+
+
+def test_greedy_equals_step_float32(tiny_llm, monkeypatch):
+    llm = qwen2_llm(tiny_llm, monkeypatch)
+    prompts = prompts_of(llm)
+    params = SamplingParams(0.0, max_new_tokens=16)
+    ref, ours, runs, setups = sample_both(llm, prompts, params)
+    assert_same(ref, ours)
+    assert runs == params.max_new_tokens - 1 and setups == 1  # every decode step was static, one capture
+    assert {s.finish for s in ours} == {"length"}
+
+
+@pytest.mark.parametrize("check_every", [1, 8])
+def test_rows_finishing_early_float32(tiny_llm, monkeypatch, check_every):
+    """Rows end at different steps (stop strings, EOS, the length limit): the live rows move
+    down inside the buffers, the garbage rows behind them are ignored, and once half the
+    rows or fewer are left the step is set up (captured) again at the smaller size."""
+    llm = qwen2_llm(tiny_llm, monkeypatch, check_every=check_every)
+    prompts = prompts_of(llm)
+    row_stops, eos_extra = early_finishes(llm, prompts, 20)
+    llm.eos_ids = sorted(llm.eos_ids + [eos_extra])
+    params = SamplingParams(0.0, max_new_tokens=20)
+    ref, ours, runs, setups = sample_both(llm, prompts, params, row_stops=row_stops)
+    assert_same(ref, ours)
+    assert {s.finish for s in ours} == {"eos", "stop", "length"}
+    ended = finish_steps(ours)
+    assert len(ended) >= len(prompts) // 2 + 1 and ended[0] > 1  # all after the first decode step: B = 9
+    assert runs == params.max_new_tokens - 1 and setups == 2  # 9 rows, then 4 (9 >= 2 x 4), no more
+
+
+def test_sampled_tokens_equal_step(tiny_llm, monkeypatch):
+    """Only the logits' path changes, not the draw: at temperature 1 with the same seed the
+    same tokens, also with rows that end early; up to one exception, which no two ways of
+    summing can rule out. speed.draw picks token i when the row's uniform u falls in
+    [c_{i-1}, c_i) of the running sum of probabilities: a u within ~1e-7 of a boundary
+    c_i (the two ways' float32 logits differ by that much) lands in token i for one way
+    and in its neighbour i + 1 for the other. So a row may differ, first at a token the
+    two ways drew as neighbours in the vocabulary, never otherwise, and rarely."""
+    llm = qwen2_llm(tiny_llm, monkeypatch)
+    prompts = prompts_of(llm) * 2
+    params = SamplingParams(1.0, max_new_tokens=12, stop=("an",))  # most rows end, at different steps
+    ref, ours, runs, setups = sample_both(llm, prompts, params, seed=7)
+    assert runs == params.max_new_tokens - 1 and setups >= 2 and {s.finish for s in ours} == {"stop", "length"}
+    assert len({tuple(s.ids) for s in ours}) > len(prompts) // 2  # a real draw: copies differ
+    same = [a for a, b in zip(ref, ours) if a.ids == b.ids]
+    assert len(same) >= len(prompts) - 2
+    assert_same(same, [b for a, b in zip(ref, ours) if a.ids == b.ids])
+    for a, b in zip(ref, ours):
+        if a.ids != b.ids:  # a draw on a boundary: the same row up to it, then neighbours
+            j = next(j for j, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y)
+            assert abs(a.ids[j] - b.ids[j]) == 1, (j, a.ids[j], b.ids[j])
+            assert max(abs(x - y) for x, y in zip(a.logprobs[:j], b.logprobs[:j])) < 1e-5
+
+
+def test_sub_batches(tiny_llm, monkeypatch):
+    """Several sub-batches (each with its own cache, so its own StaticDecoder): the results
+    of "step" under the same split, and nothing kept once the call is over."""
+    from support.device_memory import DECODE_BYTES_PER_LOGIT, kv_bytes_per_token
+
+    llm = qwen2_llm(tiny_llm, monkeypatch)
+    prompts = prompts_of(llm)
+    params = SamplingParams(0.0, max_new_tokens=8)
+    per_row = (max(map(len, prompts)) + 8) * kv_bytes_per_token(llm.model.config, 4) + \
+        llm.model.config.vocab_size * DECODE_BYTES_PER_LOGIT
+    llm.sub_batch_bytes = 3 * per_row  # about three rows a sub-batch
+    before = llm.sub_batches_run
+    ref, ours, runs, setups = sample_both(llm, prompts, params)
+    subs = (llm.sub_batches_run - before) // 2
+    assert subs >= 3 and setups >= subs and runs == subs * (params.max_new_tokens - 1)
+    assert_same(ref, ours)
+    gc.collect()
+    assert len(speed._STATIC) == 0  # each StaticDecoder went with its cache
+
+
+def test_bfloat16_step_by_step(tiny_llm, monkeypatch):
+    """bfloat16, with rows ending early (check_every 8, as on a GPU). Here the two ways
+    cannot be compared token for token over a whole generation: attention over all
+    `capacity` columns (the masked ones add exact zeros) sums in other blocks than
+    attention over S columns, which moves some of its bfloat16 outputs by one unit in the
+    last place, and bfloat16 logits of a 49k vocabulary hold exact and near ties at the
+    top, so one flipped token sends a row elsewhere. So both ways run on the SAME inputs
+    at every step (the sampler follows "step"'s logits): the static logits must be within
+    two bfloat16 roundings (2 x 2^-7 relative) of the step's, and pick the same greedy
+    token, or at worst one whose step logit is within twice that distance of the step's
+    greedy token's (a tie in bfloat16), and the same token in nearly every row."""
+    llm = qwen2_llm(tiny_llm, monkeypatch, torch.bfloat16, check_every=8)
+    prompts = prompts_of(llm)
+    row_stops, eos_extra = early_finishes(llm, prompts, 20)
+    llm.eos_ids = sorted(llm.eos_ids + [eos_extra])
+    params = SamplingParams(0.0, max_new_tokens=20)
+    llm.use_decode("step")
+    ref = llm.sample(prompts, params, row_stops=row_stops)
+    compared = []
+
+    def both(model, tok, pos, mask, cache):
+        twin = DynamicCache()  # the cache as it is before this step, for decode_step
+        for i, layer in enumerate(cache.layers):
+            twin.update(layer.keys.clone(), layer.values.clone(), i)  # [b, kv, S-1, D]
+        step = speed.decode_step(model, tok, pos, mask, twin).float()  # [b, V]
+        static = speed.decode_step_static(model, tok, pos, mask, cache).float()  # [b, V]
+        tol = 2 * 2 ** -7 * step.abs().max()
+        assert (static - step).abs().max() <= tol, ((static - step).abs().max(), tol)
+        pick = static.argmax(-1)  # [b] the static way's greedy tokens
+        at_most_a_tie = step.gather(-1, pick[:, None])[:, 0] >= step.max(-1).values - 2 * tol  # [b]
+        assert at_most_a_tie.all()
+        compared.append((tok.shape[0], int((pick == step.argmax(-1)).sum())))
+        return step
+
+    llm.decode = both
+    runs = StaticDecoder.runs
+    followed = llm.sample(prompts, params, row_stops=row_stops)
+    # `both` returned step's logits, so the rows take step's tokens and end where planned;
+    # the log-probs differ a little, since the cache `both` copies for step was written by
+    # the static step (keys and values that differ from step's in the last bfloat16 place).
+    assert_same(ref, followed, tol=1e-2)
+    assert StaticDecoder.runs - runs == len(compared) == params.max_new_tokens - 1
+    assert len({b for b, _ in compared}) >= 3  # the batch shrank twice or more
+    assert sum(c for _, c in compared) >= 0.95 * sum(b for b, _ in compared)  # nearly all: the same token
+    assert {s.finish for s in followed} == {"eos", "stop", "length"}
+
+
+def test_bfloat16_sampler_runs_static(tiny_llm, monkeypatch):
+    """bfloat16 through the sampler's own loop with step_static selected (the buffers,
+    the bias and index_copy_ in the model's dtype): every decode step static, finite
+    log-probs. (Token for token it is compared above, step by step: see there why.)"""
+    llm = qwen2_llm(tiny_llm, monkeypatch, torch.bfloat16)
+    prompts = prompts_of(llm)
+    _, ours, runs, setups = sample_both(llm, prompts, SamplingParams(0.0, max_new_tokens=10))
+    assert runs == 9 and setups == 1 and all(len(s.ids) == 10 for s in ours)
+    assert all(torch.isfinite(torch.tensor(s.logprobs)).all() for s in ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_growth_and_dropped_rows_at_the_step_level(tiny_llm, dtype):
+    """decode_step_static against decode_step, each on its own cache: a cache planned with
+    too little room (it grows: new buffers, so a new StaticDecoder), rows dropped in place
+    (garbage rows, then a smaller one), over 40 steps with the same tokens fed to both."""
+    from support.speed import decode_step, decode_step_static, preallocated_cache, prefill
+
+    model = tiny_qwen2(tiny_llm.model.config.vocab_size).to(dtype)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (2 * i + 1) for i in range(4)]  # lengths differ
+    caches = {"step": preallocated_cache(), "static": preallocated_cache()}  # room for 2 x the prefill
+    setups, tol = StaticDecoder.setups, 1e-5 if dtype == torch.float32 else 2 * 2 ** -7
+    with torch.no_grad():
+        for cache in caches.values():
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
+        planned = caches["static"].layers[0].k_buffer.shape[2]
+        tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+        for step in range(40):  # 40 > the capacity: both caches grow
+            if step in (10, 20):  # drop rows 1 and 3 (4 -> 2 rows: set up again), then row 0
+                keep = torch.tensor([0, 2] if step == 10 else [1])
+                for cache in caches.values():
+                    cache.batch_select_indices(keep)
+                tok, mask, pos = tok[keep], mask[keep], pos[keep]
+            mask = torch.cat([mask, torch.ones_like(pos)], -1)
+            ref = decode_step(model, tok, pos, mask, caches["step"]).float()  # [b, V]
+            ours = decode_step_static(model, tok, pos, mask, caches["static"]).float()
+            assert (ours - ref).abs().max() <= tol * ref.abs().max().clamp(min=1), (step, (ours - ref).abs().max())
+            assert caches["static"].layers[0].keys.shape == caches["step"].layers[0].keys.shape
+            tok, pos = ref.argmax(-1), pos + 1
+    assert caches["static"].layers[0].k_buffer.shape[2] > planned  # it did outgrow its first buffers
+    assert StaticDecoder.setups - setups >= 4  # first step, 2 rows, 1 row, grown buffers
+
+
+def test_opt_in_only(tiny_llm, monkeypatch):
+    """choose_decode never measures the static step (on a CPU its choices are unchanged);
+    AGENTFLOW_DECODE selects it; a model decode_step does not cover stays on forward;
+    the plain path's cache (a DynamicCache) is refused, not silently decoded otherwise."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def never(*a, **k):
+        raise AssertionError("the static step was measured")
+
+    monkeypatch.setitem(speed.DECODE_STEPS, "step_static", never)
+    assert speed._measure_decode(tiny_llm.model, rows=4, rounds=1) in ("forward", "step", "step_transposed")
+    monkeypatch.setenv("AGENTFLOW_DECODE", "step_static")
+    assert speed.choose_decode(tiny_llm.model) == "step_static"
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert speed.choose_decode(gpt2) == "forward"
+    monkeypatch.undo()
+    plain = LLM(tiny_llm.model, tiny_llm.tok, fast=False)
+    plain.use_decode("step_static")
+    with pytest.raises(TypeError, match="preallocated_cache"):
+        plain.sample(prompts_of(plain)[:2], SamplingParams(0.0, max_new_tokens=3))
