@@ -495,7 +495,7 @@ def action_tokens(traj, item, verdict):
 TRAIN_RUNS = [("straight", 2, ()), ("resumed", 1, ()), ("resumed", 2, ())]
 
 
-def check_train(r: Report, z: dict, dev: str, tokenizer: str | None = None) -> None:
+def check_train(r: Report, z: dict, dev: str, tokenizer: str | None = None, overrides: tuple = ()) -> None:
     """train.py on this device, as a user starts it; then interrupted after step 1 and resumed."""
     from safetensors.torch import load_file
 
@@ -510,7 +510,7 @@ def check_train(r: Report, z: dict, dev: str, tokenizer: str | None = None) -> N
         (tmp / "gpu_check_reward.py").write_text(REWARD_MODULE)
         common = [f"model.name={model}", f"model.device={dev}", "train.save_every=1",
                   "reward.terms={correct: 1.0, action_tokens: 0.1}", "reward.modules=[gpu_check_reward]",
-                  f"model.dtype={'bfloat16' if dev == 'cuda' else 'float32'}"]
+                  f"model.dtype={'bfloat16' if dev == 'cuda' else 'float32'}", *overrides]
 
         def train(out: str, steps: int, *extra: str) -> int:
             args = [sys.executable, "train.py", "configs/smoke.yaml", *common, f"out_dir={tmp / out}",
@@ -548,6 +548,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--only", action="append", choices=list(PARTS), help="run this part (repeatable); default all")
     ap.add_argument("--tokenizer", help="a tokenizer folder for the train part (default: the offline default model's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the train part's runs (repeatable), e.g. "
+                         "tools.python_isolation=rlimits on a box without user namespaces")
     args = ap.parse_args(argv)
     dev, z = args.device, SIZES[args.device]
     r = Report(dev)
@@ -557,7 +560,7 @@ def main(argv=None) -> int:
     for name in args.only or PARTS:
         start = time.time()
         if name == "train":
-            check_train(r, z, dev, args.tokenizer)
+            check_train(r, z, dev, args.tokenizer, args.set)
         else:
             PARTS[name](r, z, dev)
         r.figure(f"time_{name}_s", time.time() - start)
