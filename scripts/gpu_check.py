@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -540,7 +541,7 @@ def check_train(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
 
 
 PARTS = {"sampler": check_sampler, "stops": check_stops, "loss": check_loss, "onpolicy": check_onpolicy,
-         "speed": check_speed, "memory": check_memory, "train": check_train}
+         "speed": check_speed, "train": check_train, "memory": check_memory}
 
 
 def main(argv=None) -> int:
@@ -559,15 +560,19 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name in args.only or PARTS:
         start = time.time()
-        if name == "train":
-            check_train(r, z, dev, args.tokenizer, args.set)
-        else:
-            PARTS[name](r, z, dev)
+        try:  # one part's crash is its failure; the parts after it still run
+            if name == "train":
+                check_train(r, z, dev, args.tokenizer, args.set)
+            else:
+                PARTS[name](r, z, dev)
+        except Exception:
+            traceback.print_exc()
+            r.failed.append(f"{name} (crashed)")
         r.figure(f"time_{name}_s", time.time() - start)
         if dev == "cuda":
             torch.cuda.empty_cache()
     r.figure("time_total_s", time.time() - t0)
-    r.figure("checks", f"{len(r.checked) - len(r.failed)} of {len(r.checked)} passed")
+    r.figure("checks", f"{sum(n not in r.failed for n in r.checked)} of {len(r.checked)} passed")
     r.figure("failed", ", ".join(r.failed) or "none")
     return 1 if r.failed else 0
 

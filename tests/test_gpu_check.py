@@ -165,3 +165,10 @@ def test_every_check_has_a_way_to_fail():
                "speed_static_rows_differing_from_step": "CUDA only; tests/test_sampler.py holds the static step "
                                                         "to the eager one on a CPU"}
     assert set(gpu_check.THRESHOLDS) == set(BREAKS) | set(by_twin)
+
+
+def test_a_part_that_crashes_fails_and_the_rest_still_run(monkeypatch, capsys):
+    monkeypatch.setitem(gpu_check.PARTS, "stops", lambda *a: 1 / 0)
+    assert gpu_check.main(["--device", "cpu", "--only", "stops", "--only", "loss"]) == 1
+    out = capsys.readouterr().out
+    assert "failed: stops (crashed)" in out and "CHECK loss_bf16_fast_grad_rel_err" in out
