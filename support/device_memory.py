@@ -171,11 +171,13 @@ def transient_per_token_layer(shape: Shape, s: int) -> int:
     return s * (4 * h + 3 * I) + 8 * h
 
 
+SLACK = 0.03  # of the budget: what the allocator may hold beyond the tensors (train.py enables expandable segments)
+
+
 def reserve_bytes(budget: float, device: str) -> float:
-    """Room the plan keeps free: the allocator's slack (3% of the budget; on CUDA
-    train.py enables expandable segments) and on CUDA the context and cuBLAS
-    workspaces (~1 GB), which torch does not count as its tensors."""
-    return (1 * GB if device == "cuda" else 0.0) + 0.03 * budget
+    """Room the plan keeps free: the allocator's slack and, on CUDA, ~1 GB for the context
+    (outside torch's counters) and the cuBLAS workspaces (inside them)."""
+    return (1 * GB if device == "cuda" else 0.0) + SLACK * budget
 
 
 def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, max_prompt: int, max_new: int,
