@@ -14,8 +14,8 @@ Nothing here changes WHAT is computed; each part changes how much work it takes:
     once.
   * decode_step: one decode position written out for Llama and Qwen2 decoders, without
     the general forward's per-step overhead; its linears as W @ x^T or x @ W^T,
-    whichever this machine runs faster (choose_decode measures it once). On a GPU,
-    opt-in: decode_step_static, the same step on fixed shapes, replayed as a CUDA graph.
+    whichever this machine runs faster (choose_decode measures it once). On a GPU:
+    decode_step_static, the same step on fixed shapes, replayed as a CUDA graph.
   * draw: inverse-CDF sampling, one uniform per row instead of torch.multinomial's
     random number per vocabulary entry.
 
@@ -527,9 +527,9 @@ def choose_decode(model) -> str:
     per machine, torch version, thread count, device, dtype and model shape, then
     remembered in the cache folder (engine.json), so every later run on this machine
     takes the same path and stays repeatable. The AGENTFLOW_DECODE environment variable
-    (forward | step | step_transposed | step_static) overrides the measurement; the
-    static step (decode_step_static, a CUDA graph on a GPU) is never measured, only
-    chosen this way."""
+    (forward | step | step_transposed | step_static) overrides the measurement. On a GPU
+    the choice is the static step (decode_step_static, a CUDA graph), unmeasured; on a
+    CPU, where it only adds attention over empty columns, it is never chosen unless asked."""
     names = ("forward", *DECODE_STEPS)
     forced = os.environ.get("AGENTFLOW_DECODE", "")
     if forced and forced not in names:
@@ -539,6 +539,10 @@ def choose_decode(model) -> str:
         return "forward"
     if forced:
         return forced
+    if next(model.parameters()).device.type == "cuda":
+        # A GPU's eager step is bound by launching its ~2,000 kernels, not by running them:
+        # the static step (one graph replay) wins at every size measured (docs/LOG.md).
+        return "step_static"
     key = _machine_key(model)
     if _CHOICES.get(key) not in names:
         _CHOICES.update(_read_choices())
@@ -799,8 +803,8 @@ _STATIC: "weakref.WeakKeyDictionary[Cache, StaticDecoder]" = weakref.WeakKeyDict
 def decode_step_static(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
     """decode_step through the cache's StaticDecoder: a CUDA graph on a GPU, the same step
     run eagerly on a CPU; logits [b, V]. `cache` is the sampler's (speed.prefill_prompts's
-    preallocated_cache, planned with room for every new token). Opt-in (AGENTFLOW_DECODE=
-    step_static or LLM.use_decode): choose_decode never measures it."""
+    preallocated_cache, planned with room for every new token). choose_decode's choice on
+    a GPU; on a CPU only when asked (AGENTFLOW_DECODE=step_static or LLM.use_decode)."""
     layers = cache.layers
     if not layers or not all(isinstance(layer, PreallocatedLayer) and layer.k_live is not None for layer in layers):
         raise TypeError("step_static decodes from the fast prefill's cache (speed.preallocated_cache) only")
@@ -822,7 +826,7 @@ def decode_step_static(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.
 
 
 # The written-out decode steps by name (choose_decode, AGENTFLOW_DECODE, run.json's "decode").
-# choose_decode measures MEASURED_DECODE_STEPS; step_static is opt-in (decode_step_static).
+# choose_decode measures MEASURED_DECODE_STEPS on a CPU; on a GPU it takes step_static.
 DECODE_STEPS = {"step": decode_step, "step_transposed": decode_step_transposed, "step_static": decode_step_static}
 MEASURED_DECODE_STEPS = ("step", "step_transposed")
 
