@@ -129,6 +129,7 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
         "agent.generator.max_new_tokens=6", "eval.limit=3", "eval.max_turns=2",
         # the plan's lengths and chunks at this model's scale
         "model.max_prompt_tokens=256", "model.prefill_tokens=256", "train.logits_chunk=4",
+        "train.micro_batch=2",  # fixed (not the config's auto), so the budget below can be sized around it
     ]
     config_path = str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml")
     # A budget that leaves the sampler room for a few rows a sub-batch (at least two sub-batches for a
