@@ -18,9 +18,10 @@ Paper, section 2. One step, top to bottom in `train_step` below:
        (flow_grpo.policy_update). The next step samples from the updated weights.
 
 Everything a run makes lands in out_dir: metrics.jsonl (one row per step),
-trajectories/step_N.jsonl (every rollout), eval/ (held-out evaluations),
+trajectories/step_N.jsonl (every rollout), eval/ (held-out evaluations; the paraphrase
+set's in eval/paraphrase/),
 checkpoints/step_N/ (what a resume needs; the newest only), model/ (the trained planner,
-whole, at the end), learning.json (held-out before vs after), run.json (where it ran)
+whole, at the end), learning.json (held-out and paraphrase before vs after), run.json (where it ran)
 and report.html. An interrupted run resumes from its checkpoint
 and reaches the weights an uninterrupted one does: the data order and every seed are
 functions of (seed, step) (support/seeds.py).
@@ -153,18 +154,27 @@ def run(cfg: dict) -> dict:
     reward = Reward.from_config(cfg["reward"])  # R: the judge's verdict, with other terms if reward.terms says
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=e["limit"] or None)
+    # The paraphrase set (data.paraphrase): held-out entities in wordings no other file uses,
+    # evaluated beside heldout before and after training only.
+    paraphrase = (load_benchmark(cfg["data"]["paraphrase"], limit=e["limit"] or None)
+                  if cfg["data"]["paraphrase"] and t["eval_before_after"] else [])
 
     start = resume(out, model, optimizer, world) if cfg["resume"] else 0
     if start and world.main:
         print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
 
-    def held_out_eval(step: int) -> dict:
-        with plan.guard(f"during the held-out evaluation at step {step}"):
-            return evaluate(agent, heldout, out / "eval" / f"step_{step}", batch_size=e["batch_size"],
-                            max_turns=e["max_turns"], seed=e["seed"], planner_temperature=e["planner_temperature"],
-                            desc=f"held-out eval @ step {step}", judge=judge, world=world)
+    def held_out_eval(step: int, items=heldout, where="", seed=e["seed"], what="held-out") -> dict:
+        """heldout at `step`, in eval/step_N; paraphrase_eval passes its own set, folder and seed."""
+        with plan.guard(f"during the {what} evaluation at step {step}"):
+            return evaluate(agent, items, out / "eval" / where / f"step_{step}", batch_size=e["batch_size"],
+                            max_turns=e["max_turns"], seed=seed, planner_temperature=e["planner_temperature"],
+                            desc=f"{what} eval @ step {step}", judge=judge, world=world)
+
+    def paraphrase_eval(step: int) -> dict:  # a folder and a seed of its own: heldout's results stay as they were
+        return held_out_eval(step, paraphrase, "paraphrase", derive_seed("paraphrase", e["seed"]), "paraphrase")
 
     before = held_out_eval(0) if t["eval_before_after"] else None
+    paraphrase_before = paraphrase_eval(0) if paraphrase else None
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
                disable=not world.main)
     for step in bar:
@@ -187,6 +197,8 @@ def run(cfg: dict) -> dict:
     result = {"before": before}
     if t["eval_before_after"]:
         result["after"] = held_out_eval(t["steps"])
+        if paraphrase:  # the same summaries (accuracy, turns, plans per kind) for the paraphrase set
+            result["paraphrase"] = {"before": paraphrase_before, "after": paraphrase_eval(t["steps"])}
         # What reproduces the table; wall_s is this process's time (a resumed run's own part).
         result["run"] = {"seed": cfg["seed"], "steps": t["steps"], "eval_seed": e["seed"],
                          "wall_s": round(time.time() - started, 1)}
@@ -195,6 +207,8 @@ def run(cfg: dict) -> dict:
         if world.main:
             (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
             print_learning_table(result)
+            if paraphrase:
+                print_learning_table(result["paraphrase"], "Paraphrase set (new wordings, never trained on)")
     if world.main:
         print(f"report: {refresh_report(out)}")
     return result

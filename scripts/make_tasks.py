@@ -34,6 +34,9 @@ no hash(), so the files are identical on every machine and Python version):
      sit in the corpus so retrieval is not trivially right.
   4. Arithmetic questions are fresh random expressions; no question repeats
      across splits.
+  5. data/paraphrase.jsonl asks about held-out entities again, in wordings no other
+     file uses, with numbers from a random stream of its own (`paraphrased`): never
+     trained on, and regenerating it changes no other file.
 
 Numbers are written without thousands separators ("12408", not "12,408"): the
 executor copies a looked-up number into code, and in Python `12,408 * 7` is a
@@ -159,6 +162,26 @@ OTHER_TWO_STEP_WORDINGS = ["Take {q} and multiply it by {k}.",
                            "Find {q}, then multiply it by {k}.",
                            "{Q} times {k} equals what?"]
 
+# The paraphrase set, data/paraphrase.jsonl: questions about held-out entities, worded in
+# none of the wordings above, never trained on. It asks whether what the planner and the
+# verifier learned holds on wordings no one chose to match the templates: two_step in sentence
+# shapes the templates never take (a request, a fronted "Multiplied by k,", "please" at the
+# end) and words they never use ("scale", "product", "-fold").
+# Its numbers come from a stream of their own (paraphrased), so adding or changing a wording
+# here changes no other file.
+PARA_ARITH_WORDINGS = ["Find the value of {e}.", "How much is {e}?", "Please calculate {e} for me.",
+                       "I need the result of {e}."]
+PARA_LOOKUP_WORDINGS = ["Please look up {q}.", "Do you know {q}?", "{Q}, please.", "I am looking for {q}."]
+PARA_TWO_STEP_WORDINGS = ["Look up {q} and scale it by {k}.",
+                          "I need {k} times {q}.",
+                          "{Q} multiplied by {k}, please.",
+                          "What number is {k} times {q}?",
+                          "Scale {q} by a factor of {k}.",
+                          "How much is {q} when scaled up {k}-fold?",
+                          "Multiplied by {k}, how much is {q}?",
+                          "Find the product of {k} and {q}."]
+PARA_COUNTS = {"arithmetic": 16, "lookup": 16, "two_step": 16}
+
 # Split sizes: heldout asks 96 questions (40 arithmetic, 40 lookup, 16 two_step);
 # train keeps about the same mix at four times the size.
 TRAIN_COUNTS = {"arithmetic": 160, "lookup": 160, "two_step": 80}
@@ -243,10 +266,10 @@ def _arithmetic_question(rng):
 
 
 def _parse(templates, question):
-    """The slots ({q}, {k}, {e}, {n}) of the template `question` was made from, or None."""
+    """The slots ({q}, {Q}, {k}, {e}, {n}) of the template `question` was made from, or None."""
     for template in templates:
         pattern = re.escape(template)
-        for slot, value in (("q", ".+"), ("k", r"\d+"), ("e", ".+"), ("n", ".+")):
+        for slot, value in (("q", ".+"), ("Q", ".+"), ("k", r"\d+"), ("e", ".+"), ("n", ".+")):
             pattern = pattern.replace(re.escape("{" + slot + "}"), f"(?P<{slot}>{value})")
         m = re.fullmatch(pattern, question)
         if m:
@@ -281,8 +304,44 @@ def reworded(heldout: list[dict]) -> list[dict]:
     return rows
 
 
+def paraphrased(heldout_ents: list[dict], seen: set, seed: int = 0) -> list[dict]:
+    """The paraphrase set: PARA_COUNTS questions per kind in the PARA_* wordings, each wording
+    used in turn, ids "para-NNNN". Lookups and two_step ask the quantity fact of distinct
+    held-out entities; every number (operands, factors) and the choice of entities come from
+    random.Random("paraphrase/<seed>"), not the generator's stream, which it leaves untouched.
+    `seen` (the questions of train and heldout) is only read: no question repeats one there."""
+    rng = random.Random(f"paraphrase/{seed}")  # a str seed is hashed by sha512: the same everywhere
+    ents = rng.sample(heldout_ents, PARA_COUNTS["lookup"] + PARA_COUNTS["two_step"])
+    rows = []
+    for i, ent in enumerate(ents):
+        fact, phrase = ENTITY_TYPES[ent["type"]]["quantity"]
+        q = phrase.format(n=ent["name"])
+        slots = {"q": q, "Q": q[0].upper() + q[1:]}
+        if i < PARA_COUNTS["lookup"]:
+            wording = PARA_LOOKUP_WORDINGS[i % len(PARA_LOOKUP_WORDINGS)]
+            rows.append({"question": wording.format(**slots), "answer": str(ent["facts"][fact]), "task": "lookup"})
+        else:
+            k = rng.randint(3, 9)  # the training range, fresh draws
+            wording = PARA_TWO_STEP_WORDINGS[(i - PARA_COUNTS["lookup"]) % len(PARA_TWO_STEP_WORDINGS)]
+            rows.append({"question": wording.format(k=k, **slots), "answer": str(ent["facts"][fact] * k),
+                         "task": "two_step"})
+    seen_exprs = {_parse(ARITH_TEMPLATES, q)["e"] for q in seen if _parse(ARITH_TEMPLATES, q)}
+    n = 0
+    while n < PARA_COUNTS["arithmetic"]:
+        row = _arithmetic_question(rng)  # the training shapes, fresh operands, wording replaced below
+        e = _parse(ARITH_TEMPLATES, row["question"])["e"]
+        if e in seen_exprs:
+            continue
+        seen_exprs.add(e)
+        rows.append({**row, "question": PARA_ARITH_WORDINGS[n % len(PARA_ARITH_WORDINGS)].format(e=e)})
+        n += 1
+    rng.shuffle(rows)  # kinds interleave, so eval.limit keeps all three
+    return [{"id": f"para-{i + 1:04d}", "kind": "number", **row} for i, row in enumerate(rows)]
+
+
 def generate(seed: int = 0) -> dict:
-    """Build {"corpus", "train", "heldout", "heldout_wordings"} deterministically from `seed`."""
+    """Build {"corpus", "train", "heldout", "heldout_wordings", "paraphrase"} deterministically
+    from `seed`."""
     rng = random.Random(seed)
     new_name = _name_maker(rng)
     regions = [new_name() for _ in range(N_REGIONS)]
@@ -341,7 +400,8 @@ def generate(seed: int = 0) -> dict:
     passages = [e["passage"] for t in TYPE_ORDER for e in by_type[t]]
     rng.shuffle(passages)
     corpus = [{"id": f"doc-{i + 1:04d}", **p} for i, p in enumerate(passages)]
-    return {"corpus": corpus, **splits, "heldout_wordings": reworded(splits["heldout"])}
+    return {"corpus": corpus, **splits, "heldout_wordings": reworded(splits["heldout"]),
+            "paraphrase": paraphrased(heldout_ents, seen, seed)}
 
 
 def dump_jsonl(rows, path):
@@ -352,7 +412,8 @@ def dump_jsonl(rows, path):
 
 
 def write(out_dir="data", seed=0):
-    """Write corpus.jsonl, train.jsonl, heldout.jsonl and heldout_wordings.jsonl into out_dir."""
+    """Write corpus.jsonl, train.jsonl, heldout.jsonl, heldout_wordings.jsonl and
+    paraphrase.jsonl into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     for name, rows in generate(seed).items():
         dump_jsonl(rows, os.path.join(out_dir, f"{name}.jsonl"))
@@ -364,4 +425,5 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args()
     write(args.out, args.seed)
-    print(f"wrote {args.out}/corpus.jsonl, train.jsonl, heldout.jsonl, heldout_wordings.jsonl (seed {args.seed})")
+    print(f"wrote {args.out}/corpus.jsonl, train.jsonl, heldout.jsonl, heldout_wordings.jsonl, "
+          f"paraphrase.jsonl (seed {args.seed})")

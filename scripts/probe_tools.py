@@ -3,6 +3,7 @@ decision, and how question-specific a step on that decision is.
 
     python -m scripts.probe_tools --benchmark data/heldout.jsonl --tool-probs [--model CK]
     python -m scripts.probe_tools --benchmark data/heldout.jsonl --tool-gradients Local_Search,Python_Coder [--model CK]
+    python -m scripts.probe_tools --benchmark data/paraphrase.jsonl --check
 
 --tool-probs: each planner's turn-1 distribution over the tools, per task kind (what the
 held-out accuracy hides: a question decided at 0.51 and one at 0.99 look the same there).
@@ -10,16 +11,21 @@ held-out accuracy hides: a question decided at 0.51 and one at 0.99 look the sam
 questions moves the other kinds' margins (why the default's two_step follows arithmetic:
 docs/LOG.md). Both compare the frozen planner with, given --model, the trained one, print
 a table and write OUT/tool_probs.json or OUT/tool_gradients.json.
+--check: not the planner but the frozen verifier: after a search that found the fact, does
+its check say what each lookup and two_step question still needs (a calculation on
+two_step, nothing on lookup)? Accuracy per kind and the questions it gets wrong, printed and
+written to OUT/check.json.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import torch
 
 import eval as evaluation
-from agentflow import prefill
+from agentflow import Trajectory, prefill
 from memory import Memory
 from support.config import ConfigError
 from support.datasets import Item
@@ -146,8 +152,66 @@ def print_tool_gradients(label: str, g: dict) -> None:
         print(f"{k:14.14s}" + "".join(f"{g['ratio'][k][j]:12.2f}" for j in kinds))
 
 
+# What the check should say after a search on each kind: two_step still needs its
+# multiplication (continue), a lookup is answered by the passage (stop).
+CHECK_RIGHT = {"two_step": "continue", "lookup": "stop"}
+
+
+def check_accuracy(agent, items: list[Item], tool: str = "Local_Search") -> dict:
+    """The verifier's check at the point a two-step plan turns on: after turn 1 searched.
+
+    For each lookup and two_step item, the memory a planner has after a correct search turn:
+    one `tool` record whose result is the real tool's output for the question (BM25 on the
+    question ranks the entity's passage first on the built-in suite: tests/test_tasks.py).
+    Items whose result does not hold the fact (the gold answer, or on two_step a number that
+    times the question's factor gives it) are counted apart as misses. The check is then
+    asked exactly as the rollout asks it after turn 1 (AgentSystem._verify: the tool's output
+    and the question; sub-goal and command are not in its prompt), at seed 0 (the default
+    verifier is greedy: the seed does not matter).
+    {"kinds": {kind: {"n", "right", "accuracy", "said"}}, "misses", "wrong": [...]}"""
+    def holds_fact(it, output):
+        found, gold = [int(x) for x in re.findall(r"\d+", output)], [int(g) for g in it.gold if g.isdigit()]
+        factors = [int(x) for x in re.findall(r"\d+", it.question)] if it.meta.get("task") == "two_step" else [1]
+        return any(n * k in gold for n in found for k in factors)
+
+    asked, trajs, misses = [], [], []
+    for it in items:
+        if it.meta.get("task") not in CHECK_RIGHT:
+            continue
+        res = agent.tools[tool].run(it.question)
+        if res.error or not holds_fact(it, res.output):
+            misses.append(it.question)
+            continue
+        tr = Trajectory(it.question, Memory(agent.cfg.memory_budget_chars, agent.cfg.result_chars))
+        tr.memory.add("", tool, it.question, res.output)
+        asked.append(it)
+        trajs.append(tr)
+    verdicts = ["stop" if s else "continue" for s in (agent._verify(trajs, seed=0) if trajs else [])]
+    result = {"kinds": {}, "misses": misses}
+    for kind, right in CHECK_RIGHT.items():
+        said = [v for it, v in zip(asked, verdicts) if it.meta["task"] == kind]
+        n_right = said.count(right)
+        result["kinds"][kind] = {"n": len(said), "right": n_right, "accuracy": n_right / len(said) if said else None,
+                                 "said": {w: said.count(w) for w in ("stop", "continue")}}
+    result["wrong"] = [{"task": it.meta["task"], "question": it.question, "said": v}
+                       for it, v in zip(asked, verdicts) if v != CHECK_RIGHT[it.meta["task"]]]
+    return result
+
+
+def print_check(check: dict) -> None:
+    print(f"\n{'kind':12s}{'n':>5s}{'right':>8s}{'accuracy':>10s}   the check should say")
+    for kind, s in check["kinds"].items():
+        acc = "-" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
+        print(f"{kind:12s}{s['n']:5d}{s['right']:8d}{acc:>10s}   {CHECK_RIGHT[kind]}")
+    if check["misses"]:
+        print(f"left out, the search did not find the fact: {len(check['misses'])}")
+    for w in check["wrong"]:
+        print(f"  wrong ({w['task']}, said {w['said']}): {w['question']}")
+
+
 def main(argv=None) -> int:
-    ap = evaluation.arguments("Probe a planner's choice of its first tool, without rollouts.",
+    ap = evaluation.arguments("Probe a planner's choice of its first tool, or the verifier's check, without "
+                              "rollouts.",
                               prog="python -m scripts.probe_tools")
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--tool-probs", action="store_true", help="each planner's turn-1 probabilities over the "
@@ -155,6 +219,9 @@ def main(argv=None) -> int:
     what.add_argument("--tool-gradients", default="", metavar="A,B", help="how far a step that favours tool A over "
                       "B on one task kind's questions moves the others' (tool_gradients), e.g. "
                       "Local_Search,Python_Coder; writes OUT/tool_gradients.json")
+    what.add_argument("--check", action="store_true", help="the frozen verifier's check after a search that "
+                      "found the fact, per task kind: right = continue on two_step, stop on lookup; "
+                      "writes OUT/check.json")
     args = ap.parse_args(argv)
     try:
         cfg, items, out = evaluation.load_run(args)
@@ -174,7 +241,14 @@ def main(argv=None) -> int:
     planners = evaluation.planners(cfg, agent, args.model)
     max_turns = args.max_turns or cfg["eval"]["max_turns"]
     Path(out).mkdir(parents=True, exist_ok=True)
-    if args.tool_probs:
+    if args.check:
+        if "Local_Search" not in agent.tools:
+            print("error: --check asks the check after Local_Search, which agent.tools lacks", file=sys.stderr)
+            return 2
+        result = check_accuracy(agent, items)
+        print_check(result)
+        name = "check.json"
+    elif args.tool_probs:
         result = tool_probs(planners, items, max_turns)
         print_tool_probs(result)
         name = "tool_probs.json"

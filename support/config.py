@@ -63,6 +63,10 @@ DEFAULTS = {
     "data": {
         "train": "data/train.jsonl",  # JSONL rows: question, answer, kind (judge), task (optional)
         "heldout": "data/heldout.jsonl",
+        # Evaluated beside heldout before and after training (train.eval_before_after, eval.limit
+        # and eval.* alike), never trained on: the held-out entities in wordings no other file
+        # uses (scripts/make_tasks.py). "" = none.
+        "paraphrase": "data/paraphrase.jsonl",
     },
     "train": {
         "steps": 20,  # optimizer rounds (rollout batches)
@@ -255,7 +259,9 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
     tools.check_toolset's, what the models need support.models.check_models'."""
     problems = []
     if data:
-        for split in ("train", "heldout"):
+        # the paraphrase set is read only where the before/after evaluation runs
+        paraphrase = ("paraphrase",) if cfg["data"]["paraphrase"] and cfg["train"]["eval_before_after"] else ()
+        for split in ("train", "heldout") + paraphrase:
             path = cfg["data"][split]
             if not Path(path).is_file():
                 problems.append(f"data.{split}: {path} not found; build the paper's mix with "

@@ -117,12 +117,13 @@ def refresh_report(out: Path):
         return None
 
 
-def print_learning_table(result: dict) -> None:
+def print_learning_table(result: dict, title: str = "Held-out") -> None:
     """The before/after table of learning.json: accuracy, tool shares per task kind,
-    tool-call error rate, mean turns, and per kind the mean turns and the commonest plans."""
+    tool-call error rate, mean turns, and per kind the mean turns and the commonest plans.
+    `title` names the set (learning.json's "paraphrase" entry has the same two summaries)."""
     b, a = result["before"], result["after"]
     blocks = [("overall", b, a)] + [(k, b["by_kind"][k], a["by_kind"][k]) for k in sorted(a.get("by_kind", {}))]
-    print("\nHeld-out, frozen planner (before) vs Flow-GRPO planner (after)")
+    print(f"\n{title}, frozen planner (before) vs Flow-GRPO planner (after)")
     print(f"{'':22s}{'n':>4s}{'before':>9s}{'after':>9s}{'change':>9s}")
     for name, x, y in blocks:
         print(f"{'accuracy ' + name:22.22s}{y['n']:4d}{x['accuracy']:9.3f}{y['accuracy']:9.3f}"

@@ -13,9 +13,11 @@ names each use and its formula:
     epoch        seed * 7919 + epoch             the order of the training data in an epoch
     kind_epoch   "seed/kind/epoch", as an int    one task kind's order (train.equal_task_shares)
     eval_batch   eval seed + first item's place  a held-out batch (a resumed evaluation samples the same)
+    paraphrase   eval seed + 2^31                the paraphrase set's evaluation seed (its batches: eval_batch)
 
 Why they do not collide: step seeds differ by one per step and a rank adds 2^32, more than
-any run's steps; a rollout's turn seeds stay below its next seed's (seed * 1000 + 999);
+any run's steps; the paraphrase set's batches sit 2^31 above the held-out ones, more than
+any file's items; a rollout's turn seeds stay below its next seed's (seed * 1000 + 999);
 the data-order streams are Python's `random`, the others torch generators. The formulas
 are the ones the published tables were made with, so the tables still reproduce.
 """
@@ -50,6 +52,8 @@ def derive_seed(use: str, seed: int, *keys) -> int:
     if use == "eval_batch":
         (first_item,) = keys
         return seed + first_item
+    if use == "paraphrase":
+        return seed + 2 ** 31
     raise ValueError(f"no derived seed for {use!r}")
 
 

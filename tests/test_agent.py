@@ -5,6 +5,7 @@ are exactly what the sampler produced."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from agentflow import AgentSystem, agent_config, parse_plan
@@ -223,6 +224,51 @@ def test_shipped_check_on_questions_in_new_wordings(default_model_path):
     assert sum(stops[:6]) >= 5, stops
     assert sum(not s for s in stops[6:12]) >= 4, stops
     assert sum(stops[12:]) >= 5, stops
+
+
+# Passages in the corpus's layout for the paraphrase wordings' tests (invented: no row of data/).
+BREL = "Brel: Brel is a fishing town on the Mard coast. Brel was founded in 1840 and has a population of 9120."
+TOVA = "Tova: The Tova is a ferry from the port of Lisk. The Tova was launched in 1961 and carries a crew of 58."
+GANT = "Gant: Gant is a mountain in the Oss range. Gant is 3312 metres high and was first climbed in 1899."
+
+
+def test_shipped_check_on_the_paraphrase_wordings(default_model_path):
+    """The real frozen 135M check after a search, on wordings of data/paraphrase.jsonl
+    (scripts/make_tasks.py, PARA_*), none of them in its examples: a lookup stops, a two_step
+    question continues. These are the wordings it gets right on every passage here and on
+    the set (python -m scripts.probe_tools --benchmark data/paraphrase.jsonl --check); the
+    ones it gets wrong are the next test's."""
+    from agentflow import LLM
+    from support.models import load_model
+    model, tok = load_model(default_model_path)
+    agent = make_agent(LLM(model, tok))
+    answered = [(BREL, "The population of Brel, please."),
+                (TOVA, "Do you know the crew size of the ship Tova?"),
+                (GANT, "I am looking for the height of Gant in metres.")]
+    open_ = [(BREL, "I need 7 times the population of Brel."),
+             (TOVA, "How much is the crew size of the ship Tova when scaled up 4-fold?"),
+             (GANT, "Look up the height of Gant in metres and scale it by 4."),
+             (BREL, "The population of Brel multiplied by 4, please.")]
+    stops = agent._verify([_after("Local_Search", r, q) for r, q in answered + open_], seed=0)
+    assert stops == [True] * len(answered) + [False] * len(open_), stops
+
+
+@pytest.mark.xfail(strict=True, reason="the shipped check stops on these two_step wordings (measured on "
+                   "data/paraphrase.jsonl: 10 of 16 two_step right); when a change makes them continue, "
+                   "move them into the test above")
+def test_shipped_check_on_paraphrase_wordings_it_gets_wrong(default_model_path):
+    """Two_step wordings where the frozen check says nothing remains after the search: the
+    factor before the quantity with no verb of multiplying ("the product of 7 and ...",
+    "What number is 4 times ..."), and one that ends in "multiplied by 7, please"."""
+    from agentflow import LLM
+    from support.models import load_model
+    model, tok = load_model(default_model_path)
+    agent = make_agent(LLM(model, tok))
+    open_ = [(BREL, "Find the product of 7 and the population of Brel."),
+             (TOVA, "What number is 4 times the crew size of the ship Tova?"),
+             (GANT, "The height of Gant in metres multiplied by 7, please.")]
+    stops = agent._verify([_after("Local_Search", r, q) for r, q in open_], seed=0)
+    assert stops == [False] * len(open_), stops
 
 
 # ----------------------------------------------------------------------------- executor

@@ -16,7 +16,7 @@ from support.config import ConfigError, load_config  # noqa: E402
 from support.models import model_name_problem  # noqa: E402
 
 DATA = [f"data.train={ROOT / 'data' / 'train.jsonl'}", f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}",
-        f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
+        f"data.paraphrase={ROOT / 'data' / 'paraphrase.jsonl'}", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
 
 
 def cfg(*overrides, path=ROOT / "config.yaml"):
@@ -43,6 +43,9 @@ def test_the_default_config_passes():
 def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
     fails(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), "data.train", "nope.jsonl", "scripts.prepare_data")
     fails(cfg(f"data.heldout={tmp_path / 'gone.jsonl'}"), "data.heldout", "gone.jsonl")
+    fails(cfg(f"data.paraphrase={tmp_path / 'p.jsonl'}"), "data.paraphrase", "p.jsonl")
+    check(cfg(f"data.paraphrase={tmp_path / 'p.jsonl'}", "train.eval_before_after=false"))  # never read then
+    check(cfg("data.paraphrase=''"))  # none
     fails(cfg(f"tools.corpus={tmp_path / 'c.jsonl'}"), "tools.corpus", "scripts.make_tasks")
     # eval.py reads --benchmark, not data.*
     check(cfg(f"data.train={tmp_path / 'nope.jsonl'}"), data=False)

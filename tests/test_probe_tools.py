@@ -142,3 +142,37 @@ def test_eval_tool_gradients_for_frozen_and_trained(tiny_model_dir, tmp_path, ca
     assert frozen == "frozen" and trained.startswith("trained") and f == t
     assert f["tools"] == ["Local_Search", "Python_Coder"] and set(f["kinds"]) <= {"arithmetic", "lookup", "two_step"}
     assert "moves each kind's margin" in capsys.readouterr().out
+
+
+def test_check_accuracy_asks_the_check_the_agent_asks(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """probe_tools --check: for each lookup and two_step item, one Local_Search record holding
+    the real search's passage, and the verdict the agent's own _verify gives that memory;
+    right = continue on two_step, stop on lookup. Arithmetic is not asked. The tiny model's
+    verdicts are arbitrary; what is checked is that the counts and the wrong list are those
+    verdicts, read against the kinds."""
+    import agentflow
+    out = tmp_path / "check"
+    args = ["--benchmark", str(ROOT / "data" / "paraphrase.jsonl"), "--config", str(ROOT / "config.yaml"),
+            "--limit", "12", "--check", "--out", str(out), f"model.name={tiny_model_dir}", "model.device=cpu",
+            f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
+    seen = []
+    real = agentflow.AgentSystem._verify
+
+    def spy(self, live, seed):
+        stops = real(self, live, seed)
+        seen.extend((tr.query, tr.memory.records[-1].tool, tr.memory.records[-1].result, s) for tr, s in zip(live, stops))
+        return stops
+
+    monkeypatch.setattr(agentflow.AgentSystem, "_verify", spy)
+    assert probe_tools.main(args) == 0
+    check = json.loads((out / "check.json").read_text())
+    rows = [json.loads(line) for line in (ROOT / "data" / "paraphrase.jsonl").read_text().splitlines()[:12]]
+    task = {r["question"]: r["task"] for r in rows}
+    assert sorted(q for q, *_ in seen) == sorted(q for q, t in task.items() if t != "arithmetic")
+    assert check["misses"] == [] and all(tool == "Local_Search" and result for _, tool, result, _ in seen)
+    for kind, right in (("two_step", False), ("lookup", True)):
+        said = [s for q, _, _, s in seen if task[q] == kind]
+        assert check["kinds"][kind]["n"] == len(said) and check["kinds"][kind]["right"] == said.count(right)
+    assert sorted(w["question"] for w in check["wrong"]) == sorted(
+        q for q, _, _, s in seen if s != (task[q] == "lookup"))
+    assert "the check should say" in capsys.readouterr().out

@@ -16,6 +16,7 @@ def test_the_formulas_are_todays():
     assert derive_seed("generator", 7) == 7999
     assert derive_seed("epoch", 2, 3) == 2 * 7919 + 3
     assert derive_seed("eval_batch", 1234, 48) == 1282
+    assert derive_seed("paraphrase", 1234) == 1234 + 2 ** 31
     for seed, kind, epoch in ((0, "lookup", 0), (3, "two_step", 5)):  # what random.Random made of the string
         a, b = random.Random(f"{seed}/{kind}/{epoch}"), random.Random(derive_seed("kind_epoch", seed, kind, epoch))
         assert [a.random() for _ in range(5)] == [b.random() for _ in range(5)]

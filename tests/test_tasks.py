@@ -3,7 +3,8 @@
 They check what the default training run relies on: the files are exactly what
 the generator makes, every gold answer is right (checked independently of the
 generator's own bookkeeping), heldout asks about entities train never saw, and
-the Local_Search tool finds the right passage first for every heldout question.
+the Local_Search tool finds the right passage first for every heldout question. The
+paraphrase set asks about held-out entities in wordings that no other file uses.
 """
 
 import ast
@@ -20,7 +21,7 @@ from scripts import make_tasks  # noqa: E402
 from support.datasets import read_jsonl  # noqa: E402
 
 DATA = ROOT / "data"
-FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl", "heldout_wordings.jsonl"]
+FILES = ["corpus.jsonl", "train.jsonl", "heldout.jsonl", "heldout_wordings.jsonl", "paraphrase.jsonl"]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,85 @@ def test_other_wordings_ask_the_held_out_questions_in_words_training_never_used(
     assert 0 < sum(i in per_item for i in kinds["lookup"]) < len(kinds["lookup"])
 
 
+# --- the paraphrase set ----------------------------------------------------------
+
+TRAIN_TEMPLATES = make_tasks.ARITH_TEMPLATES + make_tasks.TWO_STEP_TEMPLATES + [
+    ask for spec in make_tasks.ENTITY_TYPES.values() for asks in spec["ask"].values() for ask in asks]
+OTHER_WORDINGS = (make_tasks.OTHER_ARITH_WORDINGS + make_tasks.OTHER_LOOKUP_WORDINGS
+                  + make_tasks.OTHER_TWO_STEP_WORDINGS)
+PARA_WORDINGS = {"arithmetic": make_tasks.PARA_ARITH_WORDINGS, "lookup": make_tasks.PARA_LOOKUP_WORDINGS,
+                 "two_step": make_tasks.PARA_TWO_STEP_WORDINGS}
+
+
+def test_paraphrase_rows_and_counts(data):
+    rows = data["paraphrase"]
+    assert [r["id"] for r in rows] == [f"para-{i + 1:04d}" for i in range(len(rows))]
+    for r in rows:
+        assert set(r) == {"id", "question", "answer", "kind", "task"}
+        assert r["kind"] == "number" and r["answer"].isdigit()
+    assert [sum(r["task"] == t for r in rows) for t in PARA_WORDINGS] == [16, 16, 16]
+    questions = [r["question"] for r in rows]
+    assert len(set(questions)) == len(questions)
+    assert not set(questions) & {r["question"] for split in ("train", "heldout", "heldout_wordings")
+                                 for r in data[split]}
+
+
+def test_paraphrase_wordings_are_new_and_several_per_kind(data):
+    """No wording of the set is a training template or one of heldout_wordings.jsonl's, and
+    no question of it can be made from one of those (a template's slot may swallow a whole
+    wording: "What is {e}?" reads any "What is ...?"). Each kind in at least four wordings."""
+    for kind, wordings in PARA_WORDINGS.items():
+        assert not set(wordings) & set(TRAIN_TEMPLATES + OTHER_WORDINGS), kind
+    used = {kind: set() for kind in PARA_WORDINGS}
+    for r in data["paraphrase"]:
+        assert make_tasks._parse(TRAIN_TEMPLATES + OTHER_WORDINGS, r["question"]) is None, r["question"]
+        made_from = [w for w in PARA_WORDINGS[r["task"]] if make_tasks._parse([w], r["question"])]
+        assert len(made_from) == 1, r["question"]
+        used[r["task"]].add(made_from[0])
+    assert all(len(u) >= 4 for u in used.values()), used
+    # the two_step shapes the issue names: a factor put first, "scale", "please" at the end
+    two_step = [r["question"] for r in data["paraphrase"] if r["task"] == "two_step"]
+    assert any(re.match(r"I need \d+ times ", q) for q in two_step)
+    assert any(re.search(r"scale it by \d+\.$", q) for q in two_step)
+    assert any(re.search(r"multiplied by \d+, please\.$", q) for q in two_step)
+
+
+def test_paraphrase_asks_about_held_out_entities_only(data, passage_of):
+    def entities(split):
+        return {e for r in data[split] if r["task"] != "arithmetic" for e in entities_in(r["question"], passage_of)}
+    para = entities("paraphrase")
+    assert len(para) == 32 and para <= entities("heldout") and not para & entities("train")
+    for r in data["paraphrase"]:
+        q, names = r["question"], entities_in(r["question"], passage_of)
+        if r["task"] == "arithmetic":  # the kind still shows in the question, as in train
+            assert names == [] and re.search(r"\d+ [*+] \d+", q), q
+        elif r["task"] == "lookup":
+            assert len(names) == 1 and not re.search(r"\d", q), q
+        else:
+            assert len(names) == 1 and len(numbers_in(q)) == 1, q
+
+
+def test_paraphrase_numbers_are_fresh_and_answers_right(data, passage_of):
+    """Every answer recomputed from the question and the corpus; the arithmetic expressions
+    are none of train's or heldout's."""
+    def expressions(split):
+        return {re.search(r"\d[\d\s*+-]*\d", r["question"]).group() for r in data[split]
+                if r["task"] == "arithmetic"}
+    assert not expressions("paraphrase") & (expressions("train") | expressions("heldout"))
+    for r in data["paraphrase"]:
+        if r["task"] == "arithmetic":
+            [expr] = [e for e in expressions("paraphrase") if e in r["question"]]
+            assert safe_eval(expr) == int(r["answer"]) >= 10_000, r
+            continue
+        [name] = entities_in(r["question"], passage_of)
+        facts = numbers_in(passage_of[name]["text"])
+        if r["task"] == "lookup":
+            assert int(r["answer"]) in facts, r
+        else:
+            [k] = numbers_in(r["question"])
+            assert 3 <= k <= 9 and int(r["answer"]) in [n * k for n in facts], r
+
+
 # --- the kind is visible from the wording --------------------------------------
 
 def test_kind_is_visible_from_the_question(data, passage_of):
@@ -206,7 +286,7 @@ def test_local_search_ranks_the_right_passage_first(data, passage_of):
 
     search = build_tools(["Local_Search"], {"corpus": str(DATA / "corpus.jsonl")})["Local_Search"]
     misses = []
-    for r in data["heldout"]:
+    for r in data["heldout"] + data["paraphrase"]:
         if r["task"] == "arithmetic":
             continue
         [name] = entities_in(r["question"], passage_of)

@@ -23,8 +23,8 @@ def tiny_overrides(model_dir, out_dir, *extra) -> list[str]:
     """The config overrides of a run on the tiny random model that takes seconds."""
     return [f"model.name={model_dir}", "model.device=cpu", f"out_dir={out_dir}",
             f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}", f"data.train={ROOT / 'data' / 'train.jsonl'}",
-            f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", "train.queries_per_step=2", "train.group_size=2",
-            "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
+            f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}", f"data.paraphrase={ROOT / 'data' / 'paraphrase.jsonl'}",
+            "train.queries_per_step=2", "train.group_size=2", "train.lr=1e-3", "agent.max_turns=2", "agent.planner.max_new_tokens=6",
             "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", "agent.generator.temperature=1.0",
             "eval.limit=4", "eval.batch_size=4", "eval.max_turns=1", "tools.python_timeout_s=3.0",
             "train.train_layers=2", *extra]  # the tiny model has 2 blocks: all of them, as 4 would train
@@ -82,6 +82,10 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
         for key in ("accuracy", "n", "by_kind", "tool_shares", "tool_error_rate"):
             assert key in learning[side]
     assert learning["after"]["n"] == 4 and result["after"] == learning["after"]
+    # ... and of the paraphrase set beside it, in a folder of its own, summarised alike
+    assert learning["paraphrase"]["after"]["n"] == 4 and result["paraphrase"] == learning["paraphrase"]
+    assert set(learning["paraphrase"]["before"]["by_kind"]) <= {"arithmetic", "lookup", "two_step"}
+    assert (out / "eval" / "paraphrase" / "step_2" / "summary.json").is_file()
     assert learning["run"]["steps"] == 2 and learning["run"]["wall_s"] > 0
     assert len((out / "trajectories" / "step_1.jsonl").read_text().splitlines()) == 4
     proc = json.loads((out / "run.json").read_text())["processes"][0]  # provenance
@@ -90,6 +94,24 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
     assert {"tokens", "finish"} <= set(next(e for e in first["log"] if e["module"] == "planner"))
     html = (out / "report.html").read_text()
     assert "5. Trajectory browser" in html and "2. Held-out evaluation" in html
+
+
+def test_the_paraphrase_evaluation_changes_neither_training_nor_held_out(tiny_model_dir, tmp_path, learnable_reward):
+    """data.paraphrase adds an evaluation with a seed and a folder of its own: the held-out
+    results, the metrics and the trained weights are those of a run without it."""
+    def outcome(name, paraphrase):
+        out = tmp_path / name
+        result = run(tiny_cfg(tiny_model_dir, out, "train.steps=1", f"data.paraphrase={paraphrase}",
+                              "eval.planner_temperature=1.0"))  # sampled: the seeds matter
+        held_out = [(out / "eval" / f"step_{step}" / "results.jsonl").read_text() for step in (0, 1)]
+        metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith("time")}
+                   for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return "paraphrase" in result, held_out, metrics, weights(out / "model")
+
+    (on, *with_it), (off, *without) = outcome("with", ROOT / "data" / "paraphrase.jsonl"), outcome("without", "''")
+    assert on and not off
+    assert with_it[:2] == without[:2]
+    assert all(torch.equal(with_it[2][k], without[2][k]) for k in with_it[2])
 
 
 def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, learnable_reward):
