@@ -159,7 +159,8 @@ def _error_message(resp: requests.Response) -> str:
 
 # Wikimedia's API etiquette asks for requests in series, not in parallel: every request
 # to a Wikimedia site holds this lock (tool calls run in threads, run_tool_calls),
-# Wikipedia_Search's to its configured endpoint and Web_Search's to Wikimedia's hosts.
+# Wikipedia_Search's and Web_Search's alike. Other hosts (a mirror of one's own) are
+# asked in parallel.
 WIKIMEDIA_LOCK = threading.Lock()
 _WIKIMEDIA = ("wikipedia.org", "wikimedia.org", "wikidata.org", "wiktionary.org", "wikiquote.org", "wikibooks.org",
               "wikisource.org", "wikinews.org", "wikiversity.org", "wikivoyage.org", "mediawiki.org")

@@ -611,15 +611,32 @@ def test_identical_calls_in_flight_send_one_request(server, monkeypatch):
 
 # ----------------------------------------------------------------------------- Wikimedia's client rules
 
-def test_wikimedia_requests_are_serial_and_carry_the_contact(server):
-    ok = {"query": {"search": [{"title": "T", "snippet": "s"}], "pages": [{"title": "T", "extract": "e"}]}}
-    server.routes["/w/api.php"] = lambda p: (200, "application/json", ok, 0.05)
+WIKI_OK = {"query": {"search": [{"title": "T", "snippet": "s"}], "pages": [{"title": "T", "extract": "e"}]}}
+
+
+def test_wikimedia_requests_are_serial_and_carry_the_contact(server, monkeypatch):
+    server.routes["/w/api.php"] = lambda p: (200, "application/json", WIKI_OK, 0.05)
+    monkeypatch.setattr(web_tools, "is_wikimedia", lambda host: True)  # the local server plays Wikimedia
     tool = wiki(server, contact="you@example.org")
     results = tools.run_tool_calls([(tool, f"query {i}") for i in range(8)])
     assert all(r.ok for r in results) and len(server.seen) == 16
     assert server.most_active == 1  # never two requests to Wikimedia at once
     assert {agent for _, _, agent in server.seen} == {web.user_agent("you@example.org")}
     assert "(research bot; you@example.org) python-requests/" in web.user_agent("you@example.org")
+
+
+def test_a_wikipedia_mirror_of_ones_own_is_asked_in_parallel(server):
+    """tools.wikipedia_url on a host that is not Wikimedia's (a local MediaWiki): no lock,
+    the calls overlap (each waits at a barrier that only four requests in flight pass)."""
+    barrier = threading.Barrier(4, timeout=10)
+
+    def meet(p):
+        if p.get("list") == "search":
+            barrier.wait()
+        return 200, "application/json", WIKI_OK, 0
+    server.routes["/w/api.php"] = meet
+    results = tools.run_tool_calls([(wiki(server), f"query {i}") for i in range(4)])
+    assert all(r.ok for r in results) and server.most_active == 4
 
 
 def test_other_apis_are_asked_in_parallel(server, monkeypatch):
