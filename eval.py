@@ -216,8 +216,9 @@ def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -
     Reward.from_config(cfg["reward"])  # its terms are known, their modules import
     if training and cfg["train"]["advantage_mode"] == "per_turn":
         turn_scorer(cfg["train"]["turn_score"])
-    problems += check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
-    if training and not problems:  # the plan reads the model's config.json, checked just above
+    models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
+    problems += models
+    if training and not models:  # the plan reads the model's config.json, which check_models just read
         problems += [p for p in [disk_problem(cfg["out_dir"], plan_for(cfg).disk_bytes)] if p]
     if problems:
         raise ConfigError("\n".join(problems))

@@ -10,6 +10,8 @@ judge on the frozen engine as configured. It exercises bf16 weights with fp32 ma
 the sub-batches, the chunked log-probs and the plan's limits together."""
 
 import json
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -217,3 +219,42 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     rows = [json.loads(line) for line in (out / "eval" / "step_1" / "results.jsonl").read_text().splitlines()]
     assert not any(e.startswith("crashed") for r in rows for e in r["errors"])
     assert {r["judge"] for r in rows} <= {"rule", "llm"}
+
+
+def test_the_7b_config_on_a_box_without_user_namespaces_and_a_small_disk(tmp_path, default_model_path):
+    """The first minute on a rented GPU box, rehearsed for real on a CPU: user namespaces
+    disabled (inside a user namespace of the test's own whose max_user_namespaces is 0, so
+    the machine is untouched) and a 64 GiB disk with 24 GiB (25.8 GB) free, less than the two
+    checkpoints a save holds at once. train.py must report both, each with its fix, in
+    one go, and stop before loading any weight."""
+    from transformers import AutoTokenizer
+
+    from test_memory_plan import QWEN_7B
+    model_dir = tmp_path / "qwen7b"  # Qwen2.5-7B's config.json beside a chat tokenizer, no weights
+    AutoTokenizer.from_pretrained(default_model_path).save_pretrained(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(QWEN_7B))
+    script = f"""
+import collections, ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+    print("SKIP", ctypes.get_errno()); sys.exit()
+open("/proc/sys/user/max_user_namespaces", "w").write("0")
+sys.path.insert(0, {str(ROOT)!r})
+from support import checkpoints
+GiB = 2 ** 30
+checkpoints.shutil.disk_usage = lambda p: collections.namedtuple("U", "total used free")(64 * GiB, 40 * GiB, 24 * GiB)
+import train
+train.load_model = lambda *a, **k: sys.exit("LOADED A MODEL")
+os.environ["SERPER_API_KEY"] = "k"
+print("RC", train.main([{str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml")!r}, "model.name={model_dir}", "model.device=cpu",
+                        "model.memory_gb=80", "out_dir={tmp_path / 'run'}", "tools.contact=tests@example.org",
+                        "data.train={ROOT / 'data' / 'train.jsonl'}", "data.heldout={ROOT / 'data' / 'heldout.jsonl'}",
+                        "train.eval_before_after=false"]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if r.stdout.startswith("SKIP"):
+        pytest.skip(f"this machine refuses a user namespace to the test itself (errno {r.stdout.split()[1]})")
+    assert "RC 2" in r.stdout and "LOADED" not in r.stdout + r.stderr, r.stdout + r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.startswith("config error:")]
+    assert len(errors) == 2, r.stderr
+    assert "user namespaces are disabled" in errors[0] and "python_isolation: rlimits" in errors[0]
+    assert "25.8 GB free" in errors[1] and "44.7 GB" in errors[1] and "--plan" in errors[1]
