@@ -81,9 +81,11 @@ def resume(out: Path, model, optimizer, world=SINGLE) -> int:
     state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     load_trained(model, state["trained"], path)
     try:
-        optimizer.load_state_dict(state)
+        changed = optimizer.load_state_dict(state)
     except RuntimeError as e:
         raise RuntimeError(f"{path}: {e}") from None
+    if changed and world.main:
+        print(f"resuming with this run's settings: {'; '.join(changed)}", flush=True)
     set_rng_state(state["rng"])  # rank 0's; every rank seeded the same and draws from its own generators
     # Metrics rows written after this checkpoint belong to steps that will run again.
     metrics = out / "metrics.jsonl"

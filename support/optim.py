@@ -121,7 +121,7 @@ class PlannerOptimizer:
     @property
     def lr(self) -> float:
         """The learning rate the next step takes."""
-        return self.schedule.get_last_lr()[0]
+        return self.adamw.param_groups[0]["lr"]
 
     def step(self, max_grad_norm: float, all_reduce=None) -> float:
         """(Sum the gradients over processes,) clip, step, round the masters into the weights,
@@ -149,10 +149,23 @@ class PlannerOptimizer:
         return {"optimizer": self.adamw.state_dict(), "scheduler": self.schedule.state_dict(),
                 "masters": self.masters.state_dict() if self.masters is not None else None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Resume AdamW's moments, the schedule's position and the masters. The learning rate
+        and weight decay stay the run's own (train.lr, train.weight_decay): AdamW's state holds
+        the ones it was saved with, which would otherwise win without a word. Returns a line
+        for each of the two that differs from the checkpoint's."""
+        lr, decay = self.schedule.base_lrs[0], self.adamw.param_groups[0]["weight_decay"]
         self.adamw.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["scheduler"])
+        changed = [f"train.{key} {was:g} in the checkpoint, {now:g} from now on" for key, was, now in (
+            ("lr", self.schedule.base_lrs[0], lr), ("weight_decay", self.adamw.param_groups[0]["weight_decay"], decay))
+            if was != now]
+        self.schedule.base_lrs = [lr] * len(self.adamw.param_groups)
+        factor = self.schedule.lr_lambdas[0](self.schedule.last_epoch)  # the warmup's factor at this step
+        for group in self.adamw.param_groups:
+            group.update(initial_lr=lr, lr=lr * factor, weight_decay=decay)
         if self.masters is not None:  # the fp32 weights the bf16 checkpoint is a rounding of
             if state.get("masters") is None:
                 raise RuntimeError("the checkpoint holds no fp32 master weights; it was not written by a bf16 run")
             self.masters.load_state_dict(state["masters"])
+        return changed

@@ -137,8 +137,29 @@ def test_masters_round_trip(bf16_model, tmp_path):
     torch.save(opt.state_dict(), tmp_path / "state.pt")
     fresh = copy.deepcopy(bf16_model)
     opt2 = optim.PlannerOptimizer(list(fresh.parameters()), LR)
-    opt2.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert opt2.load_state_dict(torch.load(tmp_path / "state.pt")) == []  # the same settings: nothing to say
     for a, b, p, q in zip(opt.masters.masters, opt2.masters.masters, model.parameters(), fresh.parameters()):
         assert torch.equal(a, b) and torch.equal(p, q)
     assert opt2.adamw.state[opt2.masters.masters[0]]["exp_avg"].dtype == torch.float32
     assert opt2.lr == opt.lr and opt2.schedule.last_epoch == 3
+
+
+def test_a_resume_steps_with_the_runs_lr_not_the_checkpoints(bf16_model, tmp_path):
+    """AdamW's saved state carries the lr and weight decay it ran with; a resumed run set to
+    others (train.lr=..., train.weight_decay=...) must step with its own, at the same point
+    of the warmup, and say so."""
+    model = copy.deepcopy(bf16_model)
+    opt = optim.PlannerOptimizer(list(model.parameters()), LR, warmup_steps=10)
+    for _ in range(3):
+        backward(model)
+        opt.step(1.0)
+    assert opt.lr == pytest.approx(LR * 4 / 10)  # warmup: (k + 1) / 10 after 3 steps
+    fresh = copy.deepcopy(model)
+    opt2 = optim.PlannerOptimizer(list(fresh.parameters()), 2 * LR, weight_decay=0.1, warmup_steps=10)
+    changed = opt2.load_state_dict(opt.state_dict())
+    assert len(changed) == 2 and "train.lr 1e-06 in the checkpoint, 2e-06" in changed[0] and "weight_decay" in changed[1]
+    assert opt2.lr == pytest.approx(2 * LR * 4 / 10)
+    assert all(g["weight_decay"] == 0.1 for g in opt2.adamw.param_groups)
+    backward(fresh)
+    opt2.step(1.0)
+    assert opt2.lr == pytest.approx(2 * LR * 5 / 10)  # the schedule goes on from the new base
