@@ -579,6 +579,28 @@ def test_flipped_items(tmp_path):
     assert "Wilson score interval" in plain and "McNemar" in plain
 
 
+def test_paraphrase_set_has_its_own_table(tmp_path):
+    """train.py's evaluations of data.paraphrase (eval/paraphrase/step_N) get a table of their
+    own under the held-out one, with their own counts; a run without them has none."""
+    out = make_fake_run(tmp_path, steps=2, groups=1, G=2)
+    assert "paraphrase set" not in "".join(check_html(page.write_report(out).read_text(encoding="utf-8")).text)
+    for step in (0, 2):
+        rows = results(out, step)
+        for r in rows:  # on new wordings, the trained planner loses every two_step item
+            r["correct"] = r["correct"] and not (step and r["task"] == "two_step")
+        d = out / "eval" / "paraphrase" / f"step_{step}"
+        d.mkdir(parents=True)
+        (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "summary.json").write_text(json.dumps(summarize(rows)))
+    c = check_html(page.write_report(out).read_text(encoding="utf-8"))
+    plain = "".join(c.text)
+    held, para = plain.split("The paraphrase set: new wordings, never trained on")
+    n = sum(r["task"] == "two_step" for r in results(out, 2))
+    assert f"0/{n} = 0.0%" in para and f"0/{n} = 0.0%" not in held  # its own counts, not the held-out's
+    lost = sum(r["correct"] and r["task"] == "two_step" for r in results(out, 2))
+    assert lost and f"−{lost}" in para and "eval/paraphrase/step_0 and step_2" in para
+
+
 def test_plans_per_kind(tmp_path, capsys):
     """A plan is the tools of one trajectory in order. The summary's shares, the train.py
     table and the report's table all count them from the same held-out rows."""

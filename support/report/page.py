@@ -154,6 +154,35 @@ def delta_cell(b, a, good: str = "up", scale: float = 1.0, unit: str = "", digit
     return f'<td class="{cls}">{d:+.{digits}f}{esc(unit)}</td>'
 
 
+def accuracy_table(rows: list[dict]) -> str:
+    """Accuracy per task kind before and after, with the change, its interval and the flips."""
+    body = "".join(f'<tr><th{SUB if r["kind"] != "all" else ""}>'
+                   f'{"accuracy, all items" if r["kind"] == "all" else esc(r["kind"])}</th>'
+                   f'{count_cell(r.get("before"))}{count_cell(r.get("after"))}{change_cells(r)}</tr>'
+                   for r in rows)
+    return ('<table class="grid acc"><thead><tr><th>task kind</th><th>before</th><th>after</th>'
+            '<th>Δ (interval)</th><th>flips: wrong→right / right→wrong</th><th>McNemar p</th></tr></thead>'
+            f'<tbody>{body}</tbody></table>')
+
+
+def paraphrase_table(run: dict) -> str:
+    """The same table for the paraphrase set (data.paraphrase, eval/paraphrase/step_N): new
+    wordings the planner never trained on, so the gap to the held-out table above is what
+    the learned tool choice owes to the training wordings."""
+    evals = run.get("paraphrase_evals") or {}
+    if not evals:
+        return ""
+    first, last = evals.get(0), evals[max(evals)] if max(evals) > 0 else None
+    pick = lambda e, key: e[key] if e else None  # noqa: E731
+    rows = accuracy_rows(pick(first, "summary") or {}, pick(last, "summary") or {},
+                         pick(first, "results"), pick(last, "results"))
+    turns = "; ".join(f"{esc(k)} {fmt((last['summary']['by_kind'].get(k) or {}).get('mean_turns'), 2)}"
+                      for k in sorted(last["summary"]["by_kind"])) if last else ""
+    return ("<h3>The paraphrase set: new wordings, never trained on</h3>" + accuracy_table(rows)
+            + note(f"From eval/paraphrase/step_0 and step_{max(evals)}, evaluated like the held-out set with a "
+                   "seed of its own." + (f" Mean turns after training: {turns}." if turns else ""), "note small"))
+
+
 def section_before_after(run: dict) -> str:
     b, a, br, ar, src = before_after(run)
     parts = ['<section id="before-after"><h2>2. Held-out evaluation: before vs after training</h2>']
@@ -172,14 +201,8 @@ def section_before_after(run: dict) -> str:
             parts.append(note("<b>No before-training evaluation</b> (eval/step_0 and learning.json's 'before' "
                               "are missing): only the after column is filled.", "note warn"))
         b, a = b or {}, a or {}
-        rows = accuracy_rows(b, a, br, ar)
-        body = "".join(f'<tr><th{SUB if r["kind"] != "all" else ""}>'
-                       f'{"accuracy, all items" if r["kind"] == "all" else esc(r["kind"])}</th>'
-                       f'{count_cell(r.get("before"))}{count_cell(r.get("after"))}{change_cells(r)}</tr>'
-                       for r in rows)
-        parts.append('<table class="grid acc"><thead><tr><th>task kind</th><th>before</th><th>after</th>'
-                     '<th>Δ (interval)</th><th>flips: wrong→right / right→wrong</th><th>McNemar p</th></tr></thead>'
-                     f'<tbody>{body}</tbody></table>' + note(INTERVALS_NOTE, "note small"))
+        parts.append(accuracy_table(accuracy_rows(b, a, br, ar)) + note(INTERVALS_NOTE, "note small"))
+        parts.append(paraphrase_table(run))
 
         kinds = sorted(set(b.get("by_kind") or {}) | set(a.get("by_kind") or {}))
         bk = lambda s, k: (s.get("by_kind") or {}).get(k, {})  # noqa: E731

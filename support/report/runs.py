@@ -47,6 +47,23 @@ def as_summary(s):
     return s
 
 
+def _evals_in(folder: Path) -> tuple[dict, dict]:
+    """The evaluations in `folder`: ({step: entry} of its step_N folders, {name: entry} of the
+    others), each entry {"summary", "results", "dir"}."""
+    by_step, others = {}, {}
+    for d in sorted(folder.iterdir()) if folder.is_dir() else ():
+        summary = as_summary(_read_json(d / "summary.json")) if d.is_dir() else None
+        if summary is None:
+            continue
+        entry = {"summary": summary, "results": read_jsonl(d / "results.jsonl"), "dir": d.name}
+        step = _step_of(d.name)
+        if step is not None:
+            by_step[step] = entry
+        else:
+            others[d.name] = entry
+    return by_step, others
+
+
 def load_run(out: Path) -> dict:
     """Everything the pages need; trajectories are read once here for per-step counts, and
     again by the run's page only for the steps its browser embeds."""
@@ -55,18 +72,8 @@ def load_run(out: Path) -> dict:
         if isinstance(row.get("step"), int):
             row["tool_shares"] = _shares(row.get("tool_shares"))
             metrics[row["step"]] = row  # a resumed run may repeat a step: the last row wins
-    evals, other_evals = {}, {}
-    if (out / "eval").is_dir():
-        for d in sorted((out / "eval").iterdir()):
-            summary = as_summary(_read_json(d / "summary.json")) if d.is_dir() else None
-            if summary is None:
-                continue
-            entry = {"summary": summary, "results": read_jsonl(d / "results.jsonl"), "dir": d.name}
-            step = _step_of(d.name)
-            if step is not None:
-                evals[step] = entry  # train.py's held-out evaluations, step 0 = before training
-            else:
-                other_evals[d.name] = entry  # eval.py runs with its default --out
+    evals, other_evals = _evals_in(out / "eval")  # train.py's held-out ones by step (0 = before); eval.py's
+    paraphrase_evals, _ = _evals_in(out / "eval" / "paraphrase")  # train.py's, on data.paraphrase
     traj_files = {}
     if (out / "trajectories").is_dir():
         for p in (out / "trajectories").glob("step_*.jsonl"):
@@ -81,6 +88,7 @@ def load_run(out: Path) -> dict:
     sweep = _read_json(out / "turn_sweep.json")
     run = {"dir": out, "config": config if isinstance(config, dict) else None,
            "metrics": [metrics[k] for k in sorted(metrics)], "evals": evals, "other_evals": other_evals,
+           "paraphrase_evals": paraphrase_evals,
            "learning": learning if isinstance(learning, dict) else None,
            "traj_files": dict(sorted(traj_files.items())),
            "processes": [p for p in processes if isinstance(p, dict)] if isinstance(processes, list) else [],
