@@ -49,9 +49,8 @@ def rows(pairs: list[tuple[dict, dict]], flipped: list[tuple[int, int]], label: 
         plan = lambda s: round(s["by_kind"]["two_step"]["plans"].get(TWO_STEP_PLAN, 0.0) * n)  # noqa: E731
         out.append(f"| two_step planned search, then code | {plan(first)}/{n} | "
                    + " | ".join(f"{plan(a)}/{n}" for _, a in pairs) + " |")
-    for k in kinds:
-        out.append(f"| mean turns, {k} | {first['by_kind'][k]['mean_turns']:.2f} | "
-                   + " | ".join(f"{a['by_kind'][k]['mean_turns']:.2f}" for _, a in pairs) + " |")
+    turns = lambda s: " / ".join(f"{s['by_kind'][k]['mean_turns']:.2f}" for k in kinds)  # noqa: E731
+    out.append(f"| mean turns, {' / '.join(kinds)} | {turns(first)} | " + " | ".join(turns(a) for _, a in pairs) + " |")
     out.append("| items wrong -> right / right -> wrong | | " + " | ".join(f"{g} / {lo}" for g, lo in flipped) + " |")
     return out
 

@@ -52,7 +52,7 @@ def test_table_from_two_runs(tmp_path, capsys):
     assert held == "| held-out, all | 0.333 | **0.833 (+0.500)** | **0.333 (+0.000)** |"
     assert cells["two_step"] == "| two_step | 0.000 | 0.750 | 0.250 |"
     assert cells["two_step planned search, then code"] == "| two_step planned search, then code | 0/4 | 3/4 | 1/4 |"
-    assert "| mean turns, two_step | 1.00 | 1.75 | 1.25 |" in lines
+    assert "| mean turns, lookup / two_step | 1.00 / 1.00 | 1.00 / 1.75 | 1.00 / 1.25 |" in lines
     flips = [ln for ln in lines if ln.startswith("| items wrong -> right")]
     assert flips == ["| items wrong -> right / right -> wrong | | 3 / 0 | 1 / 1 |",  # held-out
                      "| items wrong -> right / right -> wrong | | 0 / 0 | 0 / 1 |"]  # paraphrase
