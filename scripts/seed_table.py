@@ -13,6 +13,7 @@ same for every seed of one config (a run whose before differs is flagged with a 
 Exit status 0 when the table was printed, 2 when a folder has no learning.json.
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -68,11 +69,13 @@ def table(runs: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    runs = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    parser = argparse.ArgumentParser(prog="python -m scripts.seed_table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders, one per seed, in column order")
+    runs = parser.parse_args(argv).runs
     missing = [str(r) for r in runs if not (r / "learning.json").is_file()]
-    if not runs or missing:
-        print(__doc__.split("\n\n")[1] if not runs else
-              f"error: no learning.json in {', '.join(missing)} (a run writes it when it finishes)", file=sys.stderr)
+    if missing:
+        print(f"error: no learning.json in {', '.join(missing)} (a run writes it when it finishes)", file=sys.stderr)
         return 2
     print(table(runs))
     return 0
