@@ -223,7 +223,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
     step_seed = derive_seed("step", cfg["seed"], step)
 
     # 1. Draw Q queries (the same on every rank); this rank takes a block of whole groups.
-    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"], t["equal_task_shares"])
+    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"], t["task_shares"])
     share = world.shard(len(queries))  # all of them in one process
     my_queries = queries[share.start:share.stop]
 
@@ -279,7 +279,7 @@ def judge_rollouts(trajs, queries, G: int, judge: Judge, reward: Reward) -> list
     return verdicts
 
 
-def draw_queries(items: list, step: int, Q: int, seed: int, equal_shares: bool = False) -> list:
+def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None = None) -> list:
     """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded, stratified shuffles.
 
     Stratified: each epoch shuffles every task kind (item.meta["task"]) on its own and
@@ -290,23 +290,27 @@ def draw_queries(items: list, step: int, Q: int, seed: int, equal_shares: bool =
     a plain shuffle. A resumed run draws the same stream: it depends only on (seed,
     position).
 
-    equal_shares (train.equal_task_shares): the kinds take turns instead, so each holds
-    1/K of every step whatever its share of the data; each kind runs through its own
-    shuffles, a small kind's sooner. The default's two-step questions are 20% of its
-    data, one or two a step; in equal shares, three (measured in docs/LOG.md)."""
+    shares (train.task_shares, kind -> weight): each kind takes that share of every step
+    instead, whatever its share of the data, and runs through its own seeded shuffles (a
+    small kind's sooner). Which kind a position goes to is fixed by the weights alone:
+    the kind furthest behind its share so far (ties to the first name), so equal weights
+    take turns and 2:1:1 gives 4/2/2 of every 8. Neither beat the data's shares on the
+    default's five seeds (docs/LOG.md)."""
     by_kind = _by_kind(items)
-    kinds = sorted(by_kind)
+    if not shares:
+        return [items[_epoch_order(by_kind, seed, epoch)[pos]]
+                for epoch, pos in (divmod(k, len(items)) for k in range(step * Q, step * Q + Q))]
+    kinds, total = sorted(shares), sum(shares.values())
+    drawn = dict.fromkeys(kinds, 0)  # positions each kind has taken so far in the stream
     out = []
-    for k in range(step * Q, step * Q + Q):
-        if equal_shares:
-            idx = by_kind[kinds[k % len(kinds)]]
-            epoch, pos = divmod(k // len(kinds), len(idx))
-            order = list(idx)
-            random.Random(derive_seed("kind_epoch", seed, kinds[k % len(kinds)], epoch)).shuffle(order)
+    for k in range(step * Q + Q):
+        kind = max(kinds, key=lambda c: (k + 1) * shares[c] / total - drawn[c])  # first max wins ties
+        epoch, pos = divmod(drawn[kind], len(by_kind[kind]))
+        drawn[kind] += 1
+        if k >= step * Q:
+            order = list(by_kind[kind])
+            random.Random(derive_seed("kind_epoch", seed, kind, epoch)).shuffle(order)
             out.append(items[order[pos]])
-        else:
-            epoch, pos = divmod(k, len(items))
-            out.append(items[_epoch_order(by_kind, seed, epoch)[pos]])
     return out
 
 

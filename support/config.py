@@ -72,7 +72,9 @@ DEFAULTS = {
         "steps": 20,  # optimizer rounds (rollout batches)
         "queries_per_step": 8,  # Q queries drawn per step
         "group_size": 4,  # G rollouts per query
-        "equal_task_shares": False,  # each task kind 1/K of every step (False: its share of the data)
+        # kind -> weight: each task kind (a data row's "task") takes that share of every step;
+        # {} = its share of the data. Name every kind of data.train (train.draw_queries).
+        "task_shares": {},
         "lr": 2e-5,  # AdamW learning rate (paper: 1e-6 for a 7B model)
         "weight_decay": 0.0,
         "warmup_steps": 0,  # linear warmup, then constant
@@ -133,6 +135,8 @@ CHOICES = {
 
 # Keys that existed once, and why they went: an old config fails with the reason.
 REMOVED = {
+    "train.equal_task_shares": "set train.task_shares to equal weights instead, e.g. "
+                               "{lookup: 1, arithmetic: 1, two_step: 1}",
     "train.bf16_autocast": "it ran the update in bfloat16 over float32 weights that sample in float32, so the "
                            "loss could never score exactly what the sampler drew; set model.dtype=bfloat16 "
                            "instead (the sampler and the trainer then share the weights, with fp32 masters)",
@@ -168,7 +172,10 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
 
 
 # Sections whose keys another file owns and checks: their values are taken as given here.
-OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward"}
+OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward",
+                 "train.task_shares": "preflight (against the data's task kinds)"}
+# Open mappings taken whole: an override replaces the file's (train.task_shares={} is the data's shares).
+WHOLE_MAPPINGS = {"train.task_shares"}
 
 
 def merge(cfg: dict, new: dict, ref: dict, prefix: str = "", choices: dict = CHOICES) -> None:
@@ -184,8 +191,11 @@ def merge(cfg: dict, new: dict, ref: dict, prefix: str = "", choices: dict = CHO
         want = ref[key]
         if isinstance(want, dict):
             if not isinstance(value, dict):
-                raise ConfigError(f"config key '{name}' must be a mapping with keys {', '.join(sorted(want))}")
-            if name in OPEN_SECTIONS:
+                raise ConfigError(f"config key '{name}' must be a mapping" + (f" with keys {', '.join(sorted(want))}"
+                                                                            if want else ""))
+            if name in WHOLE_MAPPINGS:
+                cfg[key] = dict(value)
+            elif name in OPEN_SECTIONS:
                 cfg[key].update(value)
             else:
                 merge(cfg[key], value, want, name + ".", choices)
@@ -236,6 +246,9 @@ def _check_combinations(cfg: dict) -> None:
                           "has advantage 0")
     if not 0 <= t["eps_low"] < 1 or t["eps_high"] < 0:
         raise ConfigError("train.eps_low must be in [0, 1) and train.eps_high >= 0")
+    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0 for w in t["task_shares"].values()):
+        raise ConfigError(f"train.task_shares must map each task kind to a weight > 0, got {t['task_shares']!r}; "
+                          "e.g. {lookup: 2, arithmetic: 1, two_step: 1}, or {} for the data's own shares")
     m = cfg["model"]
     if m["memory_gb"] < 0 or m["max_prompt_tokens"] < 1 or m["prefill_tokens"] < 1 or t["logits_chunk"] < 1:
         raise ConfigError("model.memory_gb must be >= 0, model.max_prompt_tokens, model.prefill_tokens and "
@@ -267,6 +280,13 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
                 problems.append(f"data.{split}: {path} not found; build the paper's mix with "
                                 f"`python -m scripts.prepare_data train`, the offline suite with "
                                 f"`python -m scripts.make_tasks`, or set data.{split}=PATH to a JSONL file")
+        shares = cfg["train"]["task_shares"]
+        if shares and Path(cfg["data"]["train"]).is_file():
+            kinds = _task_kinds(cfg["data"]["train"])
+            if set(shares) != kinds:
+                problems.append(f"train.task_shares names {', '.join(sorted(shares))} but {cfg['data']['train']} "
+                                f"holds the task kinds {', '.join(sorted(kinds)) or '(none: no row has a task)'}; "
+                                f"give each of those a weight, or set train.task_shares={{}}")
     j = cfg["judge"]
     if j["llm"] and j["base_url"]:
         if not re.match(r"^https?://", j["base_url"]):
@@ -277,6 +297,12 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
             problems.append(f"judge.api_key_env: {j['api_key_env']} is not set in the environment; export it, "
                             f"or set judge.api_key_env='' for a server that needs no key")
     return problems
+
+
+def _task_kinds(path: str) -> set[str]:
+    """The task kinds of a data file's rows, as train.draw_queries reads them ("" for none)."""
+    from support.datasets import load_benchmark
+    return {it.meta.get("task", "") for it in load_benchmark(path)}
 
 
 def _env_missing(names) -> list[str]:

@@ -11,7 +11,7 @@ names each use and its formula:
     turn         seed * 1000 + 10 * turn + k     module k of a turn (0 planner, 1 executor, 2 verifier)
     generator    seed * 1000 + 999               the final answers of a rollout
     epoch        seed * 7919 + epoch             the order of the training data in an epoch
-    kind_epoch   "seed/kind/epoch", as an int    one task kind's order (train.equal_task_shares)
+    kind_epoch   "seed/kind/epoch", as an int    one task kind's order (train.task_shares)
     eval_batch   eval seed + first item's place  a held-out batch (a resumed evaluation samples the same)
     paraphrase   eval seed + 2^31                the paraphrase set's evaluation seed (its batches: eval_batch)
 

@@ -55,6 +55,24 @@ def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
     assert len(msg.splitlines()) == 3 and "tools.corpus" in msg and "model.name" in msg
 
 
+def test_task_shares_must_name_the_data_kinds(tmp_path):
+    """train.task_shares is checked against data.train's task kinds before a model loads;
+    an override replaces the file's mapping (so {} goes back to the data's own shares)."""
+    leaning = tmp_path / "leaning.yaml"
+    leaning.write_text((ROOT / "config.yaml").read_text().replace(
+        "\ntrain:\n", "\ntrain:\n  task_shares: {lookup: 2, arithmetic: 1, two_step: 1}\n"))
+    assert cfg(path=leaning)["train"]["task_shares"] == {"lookup": 2, "arithmetic": 1, "two_step": 1}
+    assert cfg("train.task_shares={}", path=leaning)["train"]["task_shares"] == {}
+    assert cfg("train.task_shares={lookup: 1}", path=leaning)["train"]["task_shares"] == {"lookup": 1}  # not merged
+    fails(cfg("train.task_shares={lookup: 2, arithmetic: 1}"), "train.task_shares", "two_step", "train.jsonl")
+    fails(cfg("train.task_shares={lookup: 1, arithmetic: 1, two_step: 1, trivia: 1}"), "train.task_shares", "trivia")
+    check(cfg("train.task_shares={lookup: 1, arithmetic: 1, two_step: 1}"))
+    untagged = tmp_path / "untagged.jsonl"
+    untagged.write_text('{"question": "q", "answer": "1", "kind": "number"}\n')
+    fails(cfg(f"data.train={untagged}", path=leaning), "train.task_shares", "no row has a task")
+    check(cfg(f"data.train={untagged}"))  # config.yaml: the data's own shares
+
+
 @pytest.mark.parametrize("name, words", [
     ("/nonexistent", ["model.name", "/nonexistent", "no such directory"]),
     ("./runs/none/checkpoints/step_3", ["no such directory"]),

@@ -163,23 +163,31 @@ def test_draws_are_stratified_by_task_kind():
     assert sorted(it.id for it in epoch) == sorted(it.id for it in items)
 
 
-def test_equal_task_shares_give_every_kind_a_third_of_each_step():
-    """train.equal_task_shares: 40/40/20 items, Q = 9, so each step holds 3 of every kind;
-    the small kind runs through all its 20 items (each once) in its first 20 draws,
-    while the big kinds are only half through; the stream depends on (seed, position)."""
+def test_task_shares_fix_each_steps_mix_and_each_kind_runs_through_its_items():
+    """train.task_shares: 40/40/20 items. Equal weights at Q = 9 give 3 of every kind a step,
+    and the small kind runs through all its 20 items (each once) in its first 20 draws while
+    the big kinds are only half through; 2:1:1 at Q = 8 gives 4/2/2 a step whatever the
+    data's mix. The stream depends on (seed, position) only."""
     from support.datasets import Item
 
     items = [Item(id=f"{k}{i}", question=f"{k} {i}", gold=["1"], kind="number", meta={"task": k})
              for k, n in (("a", 40), ("b", 40), ("c", 20)) for i in range(n)]
-    draws = [draw_queries(items, step, 9, seed=3, equal_shares=True) for step in range(8)]
+    equal = {"a": 1, "b": 1, "c": 1}
+    draws = [draw_queries(items, step, 9, seed=3, shares=equal) for step in range(8)]
     for draw in draws:
         assert sorted(it.meta["task"] for it in draw) == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
     seen = [it.id for d in draws for it in d]
     small = [i for i in seen if i.startswith("c")]
     assert sorted(small[:20]) == sorted(f"c{i}" for i in range(20))  # one epoch of c, no repeats
     assert len(set(i for i in seen if i.startswith("a"))) == 24  # a: 24 draws, none repeated yet
-    assert draws == [draw_queries(items, step, 9, seed=3, equal_shares=True) for step in range(8)]
-    assert draws != [draw_queries(items, step, 9, seed=4, equal_shares=True) for step in range(8)]
+    assert draws == [draw_queries(items, step, 9, seed=3, shares=equal) for step in range(8)]
+    assert draws != [draw_queries(items, step, 9, seed=4, shares=equal) for step in range(8)]
+    leaning = [draw_queries(items, step, 8, seed=3, shares={"c": 2, "a": 1, "b": 1}) for step in range(10)]
+    for draw in leaning:
+        assert sorted(it.meta["task"] for it in draw) == ["a"] * 2 + ["b"] * 2 + ["c"] * 4
+    c_seen = [it.id for d in leaning for it in d if it.id.startswith("c")]  # 40 draws: two epochs of c
+    assert sorted(c_seen[:20]) == sorted(c_seen[20:]) == sorted(f"c{i}" for i in range(20))
+    assert c_seen[:20] != c_seen[20:]  # each epoch its own shuffle
 
 
 @pytest.mark.parametrize("override, words", [
@@ -191,6 +199,8 @@ def test_equal_task_shares_give_every_kind_a_third_of_each_step():
     ("steps", ["key=value"]),
     ("agent.force_tool=Wikipedia_Search", ["agent.force_tool", "Python_Coder"]),
     ("train.bf16_autocast=true", ["removed", "model.dtype=bfloat16"]),  # unscoreable: fp32 sampler, bf16 loss
+    ("train.equal_task_shares=true", ["removed", "train.task_shares"]),
+    ("train.task_shares={lookup: 0}", ["train.task_shares", "> 0"]),
 ])
 def test_bad_config_names_the_key_and_the_fix(override, words):
     with pytest.raises(ConfigError) as e:
