@@ -223,7 +223,8 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
     step_seed = derive_seed("step", cfg["seed"], step)
 
     # 1. Draw Q queries (the same on every rank); this rank takes a block of whole groups.
-    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"], t["task_shares"])
+    queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"],
+                           t["task_shares"], t["task_shares_from"])
     share = world.shard(len(queries))  # all of them in one process
     my_queries = queries[share.start:share.stop]
 
@@ -279,7 +280,7 @@ def judge_rollouts(trajs, queries, G: int, judge: Judge, reward: Reward) -> list
     return verdicts
 
 
-def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None = None) -> list:
+def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None = None, shares_from: int = 1) -> list:
     """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded, stratified shuffles.
 
     Stratified: each epoch shuffles every task kind (item.meta["task"]) on its own and
@@ -295,9 +296,11 @@ def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None 
     small kind's sooner). Which kind a position goes to is fixed by the weights alone:
     the kind furthest behind its share so far (ties to the first name), so equal weights
     take turns and 2:1:1 gives 4/2/2 of every 8. Neither beat the data's shares on the
-    default's five seeds (docs/LOG.md)."""
+    default's five seeds (docs/LOG.md). shares_from (train.task_shares_from, counting
+    steps from 1): the steps before it draw the data's shares, the stream with shares still
+    counts from position 0, so either stream depends only on (seed, position)."""
     by_kind = _by_kind(items)
-    if not shares:
+    if not shares or step + 1 < shares_from:
         return [items[_epoch_order(by_kind, seed, epoch)[pos]]
                 for epoch, pos in (divmod(k, len(items)) for k in range(step * Q, step * Q + Q))]
     kinds, total = sorted(shares), sum(shares.values())

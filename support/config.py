@@ -75,6 +75,9 @@ DEFAULTS = {
         # kind -> weight: each task kind (a data row's "task") takes that share of every step;
         # {} = its share of the data. Name every kind of data.train (train.draw_queries).
         "task_shares": {},
+        # the first step task_shares applies to (1 = every step); the steps before it draw the
+        # data's shares: a curriculum that meets the composite kind more once the parts are learned
+        "task_shares_from": 1,
         "lr": 2e-5,  # AdamW learning rate (paper: 1e-6 for a 7B model)
         "weight_decay": 0.0,
         "warmup_steps": 0,  # linear warmup, then constant
@@ -249,6 +252,10 @@ def _check_combinations(cfg: dict) -> None:
     if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0 for w in t["task_shares"].values()):
         raise ConfigError(f"train.task_shares must map each task kind to a weight > 0, got {t['task_shares']!r}; "
                           "e.g. {lookup: 2, arithmetic: 1, two_step: 1}, or {} for the data's own shares")
+    if t["task_shares_from"] < 1 or (t["task_shares_from"] > 1 and not t["task_shares"]):
+        raise ConfigError(f"train.task_shares_from must be >= 1, and above 1 only with train.task_shares set "
+                          f"(the steps from it on draw those shares), got {t['task_shares_from']} with "
+                          f"task_shares {t['task_shares']!r}")
     m = cfg["model"]
     if m["memory_gb"] < 0 or m["max_prompt_tokens"] < 1 or m["prefill_tokens"] < 1 or t["logits_chunk"] < 1:
         raise ConfigError("model.memory_gb must be >= 0, model.max_prompt_tokens, model.prefill_tokens and "

@@ -188,6 +188,11 @@ def test_task_shares_fix_each_steps_mix_and_each_kind_runs_through_its_items():
     c_seen = [it.id for d in leaning for it in d if it.id.startswith("c")]  # 40 draws: two epochs of c
     assert sorted(c_seen[:20]) == sorted(c_seen[20:]) == sorted(f"c{i}" for i in range(20))
     assert c_seen[:20] != c_seen[20:]  # each epoch its own shuffle
+    # train.task_shares_from=4: steps 1-3 are the data's stream, steps 4 on the shares' stream
+    curriculum = [draw_queries(items, step, 8, seed=3, shares={"c": 2, "a": 1, "b": 1}, shares_from=4)
+                  for step in range(10)]
+    assert curriculum[:3] == [draw_queries(items, step, 8, seed=3) for step in range(3)]
+    assert curriculum[3:] == leaning[3:]
 
 
 @pytest.mark.parametrize("override, words", [
@@ -201,6 +206,8 @@ def test_task_shares_fix_each_steps_mix_and_each_kind_runs_through_its_items():
     ("train.bf16_autocast=true", ["removed", "model.dtype=bfloat16"]),  # unscoreable: fp32 sampler, bf16 loss
     ("train.equal_task_shares=true", ["removed", "train.task_shares"]),
     ("train.task_shares={lookup: 0}", ["train.task_shares", "> 0"]),
+    ("train.task_shares_from=3", ["train.task_shares_from", "train.task_shares set"]),
+    ("train.task_shares_from=0", ["train.task_shares_from", ">= 1"]),
 ])
 def test_bad_config_names_the_key_and_the_fix(override, words):
     with pytest.raises(ConfigError) as e:
