@@ -296,7 +296,7 @@ def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None 
     small kind's sooner). Which kind a position goes to is fixed by the weights alone:
     the kind furthest behind its share so far (ties to the first name), so equal weights
     take turns and 2:1:1 gives 4/2/2 of every 8. Neither beat the data's shares on the
-    default's five seeds (docs/LOG.md). shares_from (train.task_shares_from, counting
+    default's five seeds; two_step-heavy shares from step 5 did (docs/LOG.md). shares_from (train.task_shares_from, counting
     steps from 1): the steps before it draw the data's shares, the stream with shares still
     counts from position 0, so either stream depends only on (seed, position)."""
     by_kind = _by_kind(items)
