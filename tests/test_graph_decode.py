@@ -108,26 +108,30 @@ def test_rows_finishing_early_float32(tiny_llm, monkeypatch, check_every):
 
 def test_sampled_tokens_equal_step(tiny_llm, monkeypatch):
     """Only the logits' path changes, not the draw: at temperature 1 with the same seed the
-    same tokens, also with rows that end early; up to one exception, which no two ways of
-    summing can rule out. speed.draw picks token i when the row's uniform u falls in
-    [c_{i-1}, c_i) of the running sum of probabilities: a u within ~1e-7 of a boundary
-    c_i (the two ways' float32 logits differ by that much) lands in token i for one way
-    and in its neighbour i + 1 for the other. So a row may differ, first at a token the
-    two ways drew as neighbours in the vocabulary, never otherwise, and rarely."""
+    same tokens, also with rows that end early, up to the first draw on a boundary, which no
+    two ways of summing can rule out. speed.draw picks token i when the row's uniform u falls
+    in [c_{i-1}, c_i) of the running sum of probabilities: a u within ~1e-7 of a boundary c_i
+    (the two ways' float32 logits differ by that much) lands in token i for one way and in
+    its neighbour i + 1 for the other. After such a draw the two batches may differ in which
+    rows a stop string ends, and each step draws one uniform per live row, so every later
+    row can get another uniform: the comparison holds up to that first step. So: all rows
+    equal before it, and at it only neighbours in the vocabulary, in one or two rows."""
     llm = qwen2_llm(tiny_llm, monkeypatch)
     prompts = prompts_of(llm) * 2
     params = SamplingParams(1.0, max_new_tokens=12, stop=("an",))  # most rows end, at different steps
     ref, ours, runs, setups = sample_both(llm, prompts, params, seed=7)
     assert runs == params.max_new_tokens - 1 and setups >= 2 and {s.finish for s in ours} == {"stop", "length"}
     assert len({tuple(s.ids) for s in ours}) > len(prompts) // 2  # a real draw: copies differ
-    same = [a for a, b in zip(ref, ours) if a.ids == b.ids]
-    assert len(same) >= len(prompts) - 2
-    assert_same(same, [b for a, b in zip(ref, ours) if a.ids == b.ids])
-    for a, b in zip(ref, ours):
-        if a.ids != b.ids:  # a draw on a boundary: the same row up to it, then neighbours
-            j = next(j for j, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y)
-            assert abs(a.ids[j] - b.ids[j]) == 1, (j, a.ids[j], b.ids[j])
-            assert max(abs(x - y) for x, y in zip(a.logprobs[:j], b.logprobs[:j])) < 1e-5
+    first = {k: next((j for j, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y), None)
+             for k, (a, b) in enumerate(zip(ref, ours))}
+    j0 = min((j for j in first.values() if j is not None), default=params.max_new_tokens)
+    for a, b in zip(ref, ours):  # every row, up to the first boundary draw of any row
+        assert a.ids[:j0] == b.ids[:j0]
+        assert max((abs(x - y) for x, y in zip(a.logprobs[:j0], b.logprobs[:j0])), default=0.0) < 1e-5
+    at_j0 = [k for k, j in first.items() if j == j0]
+    assert len(at_j0) <= 2, at_j0
+    for k in at_j0:
+        assert abs(ref[k].ids[j0] - ours[k].ids[j0]) == 1, (k, j0, ref[k].ids[j0], ours[k].ids[j0])
 
 
 def test_sub_batches(tiny_llm, monkeypatch):
