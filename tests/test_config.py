@@ -58,11 +58,15 @@ def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
 def test_task_shares_must_name_the_data_kinds(tmp_path):
     """train.task_shares is checked against data.train's task kinds before a model loads;
     an override replaces the file's mapping (so {} goes back to the data's own shares)."""
+    shipped = cfg()["train"]
+    assert set(shipped["task_shares"]) == {"lookup", "arithmetic", "two_step"} and shipped["task_shares_from"] > 1
+    check(cfg())  # config.yaml's curriculum names every kind of the shipped data
+    text = (ROOT / "config.yaml").read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("task_shares:"))
     leaning = tmp_path / "leaning.yaml"
-    leaning.write_text((ROOT / "config.yaml").read_text().replace(
-        "\ntrain:\n", "\ntrain:\n  task_shares: {lookup: 2, arithmetic: 1, two_step: 1}\n"))
+    leaning.write_text(text.replace(line, "  task_shares: {lookup: 2, arithmetic: 1, two_step: 1}"))
     assert cfg(path=leaning)["train"]["task_shares"] == {"lookup": 2, "arithmetic": 1, "two_step": 1}
-    assert cfg("train.task_shares={}", path=leaning)["train"]["task_shares"] == {}
+    assert cfg("train.task_shares={}", "train.task_shares_from=1", path=leaning)["train"]["task_shares"] == {}
     assert cfg("train.task_shares={lookup: 1}", path=leaning)["train"]["task_shares"] == {"lookup": 1}  # not merged
     fails(cfg("train.task_shares={lookup: 2, arithmetic: 1}"), "train.task_shares", "two_step", "train.jsonl")
     fails(cfg("train.task_shares={lookup: 1, arithmetic: 1, two_step: 1, trivia: 1}"), "train.task_shares", "trivia")
@@ -70,7 +74,7 @@ def test_task_shares_must_name_the_data_kinds(tmp_path):
     untagged = tmp_path / "untagged.jsonl"
     untagged.write_text('{"question": "q", "answer": "1", "kind": "number"}\n')
     fails(cfg(f"data.train={untagged}", path=leaning), "train.task_shares", "no row has a task")
-    check(cfg(f"data.train={untagged}"))  # config.yaml: the data's own shares
+    check(cfg(f"data.train={untagged}", "train.task_shares={}", "train.task_shares_from=1"))  # the data's own shares
 
 
 @pytest.mark.parametrize("name, words", [
