@@ -305,6 +305,7 @@ def test_decode_way_is_measured_once_per_machine_and_remembered(tiny_llm, tmp_pa
     from support import speed
 
     monkeypatch.setenv("AGENTFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("AGENTFLOW_DECODE", raising=False)  # a user's pinned way would skip the measurement
     monkeypatch.setattr(speed, "_CHOICES", {})
     measured = []
     monkeypatch.setattr(speed, "_measure_decode", lambda model: measured.append(1) or "step")
