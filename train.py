@@ -159,10 +159,6 @@ def run(cfg: dict) -> dict:
     paraphrase = (load_benchmark(cfg["data"]["paraphrase"], limit=e["limit"] or None)
                   if cfg["data"]["paraphrase"] and t["eval_before_after"] else [])
 
-    start = resume(out, model, optimizer, world) if cfg["resume"] else 0
-    if start and world.main:
-        print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
-
     def held_out_eval(step: int, items=heldout, where="", seed=e["seed"], what="held-out") -> dict:
         """heldout at `step`, in eval/step_N; paraphrase_eval passes its own set, folder and seed."""
         with plan.guard(f"during the {what} evaluation at step {step}"):
@@ -173,8 +169,13 @@ def run(cfg: dict) -> dict:
     def paraphrase_eval(step: int) -> dict:  # a folder and a seed of its own: heldout's results stay as they were
         return held_out_eval(step, paraphrase, "paraphrase", derive_seed("paraphrase", e["seed"]), "paraphrase")
 
+    # "Before" is the untrained planner's, so it runs before a resume loads trained weights
+    # (a resumed run reads it back from eval/step_0; an unfinished one completes it).
     before = held_out_eval(0) if t["eval_before_after"] else None
     paraphrase_before = paraphrase_eval(0) if paraphrase else None
+    start = resume(out, model, optimizer, world) if cfg["resume"] else 0
+    if start and world.main:
+        print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
                disable=not world.main)
     for step in bar:

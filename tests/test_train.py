@@ -131,6 +131,23 @@ def test_resume_equals_uninterrupted(tiny_model_dir, tmp_path, learnable_reward)
     assert rows == [1, 2, 3]
 
 
+def test_a_resumed_run_reports_the_untrained_planner_as_before(tiny_model_dir, tmp_path, learnable_reward):
+    """A resume whose eval/step_0 is gone (deleted, or copied without it) evaluates "before"
+    again: with the untrained planner, not the checkpoint's, which it loads after."""
+    out = tmp_path / "run"
+    common = ("train.save_every=1", "agent.planner.temperature=1.0", "eval.planner_temperature=1.0")
+    first = run(tiny_cfg(tiny_model_dir, out, "train.steps=2", *common))
+    answers = {p: (out / "eval" / p / "step_0" / "results.jsonl").read_text() for p in ("", "paraphrase")}
+    shutil.rmtree(out / "eval")
+    again = run(tiny_cfg(tiny_model_dir, out, "train.steps=3", *common))
+    assert again["before"] == first["before"] and again["paraphrase"]["before"] == first["paraphrase"]["before"]
+    for p, text in answers.items():
+        assert [json.loads(r)["answer"] for r in text.splitlines()] == \
+            [json.loads(r)["answer"] for r in (out / "eval" / p / "step_0" / "results.jsonl").read_text().splitlines()]
+    trained = [json.loads(r)["answer"] for r in (out / "eval" / "step_3" / "results.jsonl").read_text().splitlines()]
+    assert trained != [json.loads(r)["answer"] for r in answers[""].splitlines()], "training must change an answer"
+
+
 def test_metrics_record_the_lr_each_step_updated_with(tiny_model_dir, tmp_path, learnable_reward):
     run(tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=3", "train.eval_before_after=false",
                  "train.save_every=3", "train.warmup_steps=2"))
