@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg: dict) -> dict:
-    """The whole job: build everything, (resume,) evaluate, train, evaluate, report."""
+    """The whole job: build everything, evaluate, (resume,) train, evaluate, report."""
     started = time.time()
     world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
     out, t, e = Path(cfg["out_dir"]), cfg["train"], cfg["eval"]
