@@ -53,7 +53,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from agentflow import SamplingParams
 from support.config import ConfigError
 from support.answers import (KINDS, choice_index, choice_letter, date_key, extract_answer, game24_candidates,
                              game24_number_sets, check_game24, gold_aliases, normalize_text, parse_number,
@@ -377,7 +376,7 @@ class Judge:
     @classmethod
     def from_config(cls, jcfg: dict, engine=None) -> "Judge":
         """From config judge.*: off -> rules only; base_url -> that endpoint; an empty
-        base_url -> `engine` (an agentflow.LLM, the frozen copy of the policy)."""
+        base_url -> `engine` (an engine.LLM, the frozen copy of the policy)."""
         if not jcfg.get("llm"):
             return cls(None)
         timeout, workers = float(jcfg.get("timeout_s", 30.0)), int(jcfg.get("max_workers", 4))
@@ -412,21 +411,9 @@ class Judge:
 
 
 def engine_generate(llm, batch_size: int = 32):
-    """generate(prompts) -> replies with the project's own engine (an agentflow.LLM),
-    greedy. The verdict is one forced token, as the verifier's is: the likelier of the
-    first tokens of "yes" and "no" (any casing), read back as the word. A 7B model
-    nearly always complies anyway; a small one would otherwise ramble into "no verdict"."""
-    says = {}
-    for word in ("no", "No", "NO", "yes", "Yes", "YES"):
-        ids = llm.tok.encode(word, add_special_tokens=False)
-        if ids:
-            says[ids[0]] = word.lower()
-    params = SamplingParams(temperature=0.0, max_new_tokens=1, first_tokens=tuple(sorted(says)))
-
-    def generate(prompts: list[str]) -> list[str]:
-        replies = []
-        for s in range(0, len(prompts), batch_size):  # bounded memory for long prompts at 7B
-            ids = [llm.chat_ids(JUDGE_SYSTEM, p) for p in prompts[s:s + batch_size]]
-            replies += [says.get(out.ids[0], "") if out.ids else "" for out in llm.sample(ids, params, seed=0)]
-        return replies
-    return generate
+    """generate(prompts) -> "yes" or "no" for each, from the project's own engine (an
+    engine.LLM): the verdict is one forced token, as the verifier's is, the likelier first
+    token of "yes" or "no" in any casing (LLM.choose). A 7B model nearly always complies
+    anyway; a small one would otherwise ramble into "no verdict"."""
+    words = ("no", "No", "NO", "yes", "Yes", "YES")
+    return lambda prompts: [w.lower() for w in llm.choose(JUDGE_SYSTEM, prompts, words, batch_size)]

@@ -160,7 +160,7 @@ def main() -> int:
         print(json.dumps(fn(work / "corpus.jsonl", work, queries)))
         return 0
 
-    from support.speed import cpu_name
+    from support.provenance import cpu_name
     tmp = None if args.dir else tempfile.TemporaryDirectory()
     work = Path(args.dir or tmp.name)
     work.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ configs/qwen2.5-7b-1gpu.yaml is trusted there, since the tests run on CPUs. It b
 models of Qwen2.5's architecture (q/k/v biases, grouped KV heads, untied embeddings) from
 a config with random weights (a GPU box may have no route to the model hub), and:
 
-  sampler   greedy tokens and log-probs of agentflow.LLM.sample against naive
+  sampler   greedy tokens and log-probs of engine.LLM.sample against naive
             recomputation of the whole sequence, in float32 and in bf16;
   stops     stop strings that really end rows, looked at every token and every 8 tokens
             (the GPU default): the same rows, tokens and texts;
@@ -20,8 +20,9 @@ a config with random weights (a GPU box may have no route to the model hub), and
             the sampler's (how far pi_theta / pi_sampler is from 1), and rho = 1 exactly
             on the first step of policy_update;
   speed     the sampler against model.generate on the same prompts: the same greedy
-            tokens, tokens per second, and a floor on the ratio (and the static-cache
-            decode, on CUDA: the same tokens as the eager step, its speed-up);
+            tokens, tokens per second, and a floor on the ratio (and, on CUDA, its decode
+            through the CUDA-graph block, engine.GraphStep, against the eager
+            engine.decode_step: the same tokens, its speed-up);
   memory    on a model with Qwen2.5-7B's shape (on CUDA), a rollout big enough that the
             sampler must run several sub-batches, and an update: the peaks that torch
             allocates and that its allocator reserves, against support/device_memory.py's plan;
@@ -51,9 +52,10 @@ import torch  # noqa: E402
 
 from support import device_memory
 from support import optim
-from agentflow import LLM, PlannerTurn, SamplingParams, Trajectory
-from flow_grpo import (LossConfig, UpdateConfig, accumulate_gradients, build_rows, policy_update, reference_objective,
-                       token_logprobs)
+from agentflow import PlannerTurn, Trajectory
+from engine import LLM, SamplingParams
+from flow_grpo import (LossConfig, UpdateConfig, accumulate_gradients, build_rows, frozen_reference, policy_update,
+                       reference_objective, token_logprobs)
 from memory import Memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,18 +87,18 @@ THRESHOLDS = {
     "stops_rows_ended_by_a_stop_string": (">=", 1, "the stop rule must really be exercised"),
     "stops_rows_differing_every_8_vs_every_1": ("==", 0, "looking every 8 tokens discards what ran past the stop"),
     "stops_texts_holding_their_stop": ("==", 0, "a row's text ends before its stop string"),
-    "loss_bf16_fast_grad_rel_err": ("<", 0.08, "bf16 weights against the fp32 objective"),
-    "loss_bf16_plain_grad_rel_err": ("<", 0.08, "bf16 weights against the fp32 objective"),
-    "loss_bf16_fast_grad_cosine": (">", 0.995, "the same direction"),
-    "loss_bf16_plain_grad_cosine": (">", 0.995, "the same direction"),
+    "loss_bf16_grad_rel_err": ("<", 0.08, "bf16 weights against the fp32 objective"),
+    "loss_bf16_grad_cosine": (">", 0.995, "the same direction"),
     "onpolicy_logratio_mean": ("<", 0.02, "mean |log pi_trainer - log pi_sampler| per token, bf16"),
     "onpolicy_logratio_p99": ("<", 0.15, "99th percentile of that over every drawn token"),
     "onpolicy_ratio_dev_first_step_1x1": ("==", 0.0, "pi_old is the trainer's own forward: rho = 1"),
     "onpolicy_ratio_dev_first_step_2x2": ("==", 0.0, "the same with 2 epochs x 2 mini-batches"),
     "speed_rows_differing_from_generate": ("==", 0, "greedy, fp32: the same tokens as transformers' generate"),
     "speed_sampler_over_generate": (">=", {"cuda": 2.0, "cpu": 0.3},
-                                    "the sampler's own decode way against generate (a CPU at toy size: a loose floor)"),
-    "speed_static_rows_differing_from_step": ("==", 0, "the static-cache decode: the same greedy tokens (fp32)"),
+                                    "the sampler (CUDA: its graph decode) against generate (a CPU at toy size: a "
+                                    "loose floor)"),
+    "speed_static_rows_differing_from_step": ("==", 0, "the CUDA-graph decode: the same greedy tokens as the eager "
+                                                       "step (fp32)"),
     "memory_sampler_sub_batches": (">=", 2, "the rollout must not fit one sub-batch, or the sub-batching is untested"),
     "memory_resident_over_plan": ("<=", 1.0, "allocated after an update / planned resident (less fp32 gradients)"),
     "memory_sampler_peak_over_plan": ("<=", 1.0, "allocated peak while sampling / planned"),
@@ -210,7 +212,7 @@ def check_sampler(r: Report, z: dict, dev: str) -> None:
             r.check("sampler_fp32_not_argmax_tokens", not_argmax)
         else:
             r.check("sampler_bf16_argmax_margin_max", worst_margin)
-        r.figure(f"sampler_decode_way_{name}", llm.decode_name)
+        r.figure(f"sampler_decode_way_{name}", decode_way(llm))
 
 
 def check_stops(r: Report, z: dict, dev: str) -> None:
@@ -259,14 +261,12 @@ def check_loss(r: Report, z: dict, dev: str) -> None:
     (-J).backward()
     g32 = torch.cat([p.grad.flatten() for p in m32.parameters()])
     del m32, ref32
-    for fast in (True, False):
-        m16.zero_grad()
-        st = accumulate_gradients(m16, ref16, rows, sampling, cfg, llm.pad_id, fast=fast, micro_batch=z["micro_batch"])
-        g16 = torch.cat([p.grad.float().flatten() for p in m16.parameters()])
-        way = "fast" if fast else "plain"
-        r.check(f"loss_bf16_{way}_grad_rel_err", float((g16 - g32).norm() / g32.norm()))
-        r.check(f"loss_bf16_{way}_grad_cosine", float(g16 @ g32 / (g16.norm() * g32.norm())))
-        r.figure(f"loss_bf16_{way}_loss_rel_err", abs(st["loss"] + J.item()) / max(abs(J.item()), 1e-12))
+    m16.zero_grad()
+    st = accumulate_gradients(m16, ref16, rows, sampling, cfg, llm.pad_id, micro_batch=z["micro_batch"])
+    g16 = torch.cat([p.grad.float().flatten() for p in m16.parameters()])
+    r.check("loss_bf16_grad_rel_err", float((g16 - g32).norm() / g32.norm()))
+    r.check("loss_bf16_grad_cosine", float(g16 @ g32 / (g16.norm() * g32.norm())))
+    r.figure("loss_bf16_loss_rel_err", abs(st["loss"] + J.item()) / max(abs(J.item()), 1e-12))
 
 
 def check_onpolicy(r: Report, z: dict, dev: str) -> None:
@@ -342,34 +342,34 @@ def check_speed(r: Report, z: dict, dev: str) -> None:
     r.figure("speed_generate_tokens_per_s", sum(map(len, theirs)) / t_theirs)
     r.check("speed_sampler_over_generate", ours / (sum(map(len, theirs)) / t_theirs))
     r.figure("speed_bf16_rows_differing_from_generate", sum(s.ids != g for s, g in zip(out, theirs)))
-    r.figure("speed_sampler_decode_way", llm.decode_name)
-    if dev == "cuda" and "step_static" in _decode_ways():
+    r.figure("speed_sampler_decode_way", decode_way(llm))
+    if dev == "cuda":
         check_static(r, z, dev, llm, prompts, greedy)
 
 
+def decode_way(llm: LLM) -> str:
+    """How `llm` decodes: "graph" (engine.graph_step, CUDA's default) or "step" (engine.decode_step)."""
+    return "graph" if llm.graphs else "step"
+
+
 def check_static(r: Report, z: dict, dev: str, llm: LLM, prompts, greedy: SamplingParams) -> None:
-    """The static-cache decode (a CUDA graph, the GPU's default) against the eager step: the
-    same greedy tokens in float32 (in bf16 its attention sums over more columns, and a
-    near-tie may flip), and the speed of each in bf16."""
+    """The CUDA-graph decode (engine.GraphStep, the GPU's default: llm.graphs) against the
+    eager engine.decode_step: the same greedy tokens in float32 (in bf16 its attention sums
+    over more columns, and a near-tie may flip), and the speed of each in bf16."""
     m32 = build_model(z["model"], dev, torch.float32)
     eager, static = LLM(m32, llm.tok), LLM(m32, llm.tok)
-    eager.use_decode("step")
-    static.use_decode("step_static")
+    eager.graphs, static.graphs = False, True
     a, b = (x.sample(prompts, greedy) for x in (eager, static))
     r.check("speed_static_rows_differing_from_step", sum(x.ids != y.ids for x, y in zip(a, b)))
     del m32, eager, static
-    took = {}
-    for way in ("step", "step_static"):
-        llm.use_decode(way)
+    took, base = {}, llm.graphs
+    for way, graphs in (("step", False), ("static", True)):
+        llm.graphs = graphs
         llm.sample(prompts[:2], SamplingParams(0.0, 4))
         out, took[way] = timed(dev, lambda: llm.sample(prompts, greedy))
         r.figure(f"speed_{way}_tokens_per_s", sum(len(s.ids) for s in out) / took[way])
-    r.figure("speed_static_over_step", took["step"] / took["step_static"])
-
-
-def _decode_ways() -> tuple:
-    from support import speed
-    return tuple(speed.DECODE_STEPS)
+    llm.graphs = base
+    r.figure("speed_static_over_step", took["step"] / took["static"])
 
 
 class CudaCounters:
@@ -423,7 +423,7 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     before_model = mem.now()  # what torch counts before the model exists (cuBLAS workspaces)
     model = build_model(z["card"], dev, torch.bfloat16)
     trained = optim.select_trainable(model, z["card_train_layers"])
-    ref = optim.frozen_reference(model, trained)
+    ref = frozen_reference(model, trained)
     opt = optim.PlannerOptimizer(trained, 1e-6)
     prompts = make_prompts(z["card"]["vocab"], z["rows"], z["card_prefix"], z["card_own"], seed=4)
     shape = device_memory.model_shape(model.config, z["card_train_layers"], name="gpu_check card model")
@@ -462,14 +462,12 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     r.check("memory_sampler_peak_over_plan", peak / (resident_planned + plan.sampler))
     r.figure("time_card_rollout_s", t_sample)
     r.figure("time_card_rollout_tokens_per_s", sum(len(s.ids) for s in out) / t_sample)
-    r.figure("time_card_decode_way", llm.decode_name)
-    if dev == "cuda":  # the same rollout with the other of the eager and static steps
-        other = "step" if llm.decode_name == "step_static" else "step_static"
-        base = llm.decode_name
-        llm.use_decode(other)
+    r.figure("time_card_decode_way", decode_way(llm))
+    if dev == "cuda":  # the same rollout with the other of the graph and eager decodes
+        llm.graphs = not llm.graphs
         _, t_other = timed(dev, lambda: llm.sample(prompts, sampling, seed=6))
-        r.figure(f"time_card_rollout_{other}_s", t_other)
-        llm.use_decode(base)
+        r.figure(f"time_card_rollout_{decode_way(llm)}_s", t_other)
+        llm.graphs = not llm.graphs
     mem.reset()
     _, t_update = timed(dev, update)
     peak = mem.peak()

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 import eval as evaluation
-from agentflow import Trajectory, prefill
+from agentflow import Trajectory
+from engine import prefill_prompts
 from memory import Memory
 from support.config import ConfigError
 from support.datasets import Item
@@ -49,7 +50,7 @@ def first_tool_probs(agent, queries: list[str], max_turns: int | None = None, ba
     for i in range(0, len(queries), batch):
         prompts = [agent.planner_prompt(q, Memory(agent.cfg.memory_budget_chars, agent.cfg.result_chars), 1, T_max)
                    for q in queries[i:i + batch]]
-        logits = prefill(agent.planner.model, prompts, agent.planner.pad_id)[0]  # [b, V]
+        logits = prefill_prompts(agent.planner.model, prompts, agent.planner.pad_id)[0]  # [b, V]
         out.append(torch.softmax(logits.float()[:, tokens], dim=-1))  # [b, K]
     return torch.cat(out)
 

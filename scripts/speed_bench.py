@@ -13,16 +13,18 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      tokens per row on both sides (plain sampling, temperature 1, EOS
      made impossible), the same chat prompts of different lengths. Wall time includes
      the prefill, as it does in a rollout. Targets: >= 3x `generate` at b32 on CPU,
-     >= 150 tokens/s at b64. Then the sampler once more with one of its parts swapped
-     for the generic one, to show what each part saves: the model's own forward for
-     each new token instead of the decode way speed.choose_decode measured fastest
-     on this machine (b32); the whole plain path of agentflow.py (b32); the prompts
+     >= 150 tokens/s at b64. Then the sampler once more with one of its speed ideas
+     swapped for the generic way, to show what each idea earns (the engine keeps an
+     idea worth about 10% or more): the model's own forward for each new token
+     instead of engine.decode_step (b32); every idea swapped at once (b32); the prompts
      prefilled as one left-padded batch instead of in groups of similar length (b32,
-     prefill only); torch.multinomial instead of the inverse-CDF speed.draw (b64);
+     prefill only); torch.multinomial instead of the inverse-CDF engine.draw (b64);
      every row running its whole prompt instead of shared-text groups running their
-     common system prompt once (b64); each new position concatenated onto the cache, as Hugging Face's
-     DynamicLayer does, instead of written in place (b64). Each swap is timed in
-     turns with the sampler as shipped, the fastest of three calls each.
+     common system prompt once (b64); each new position concatenated onto the cache, as
+     Hugging Face's DynamicLayer does, instead of written in place (b64); the stop rules
+     decoding every row's tail after every token (b64, a stop string on every row).
+     Each swap is timed in turns with the sampler as shipped, the fastest of three
+     calls each.
   2. prefix reuse: prefill of 32 prompts that share a 300+-token system prompt (the
      planner's instructions with six tool cards), with the sampler's shared-prefix path
      on and off. Target: >= 5x.
@@ -36,13 +38,13 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      attention, no norms, no sampling) at B = 32 and 64 gives the tokens/s a decoder
      made of nothing but these matmuls would reach. With the prefill both sides pay
      (`prefill_s_b32`), that bounds the lead over `generate` any sampler built on these
-     matmuls can have: `sampler_vs_generate_ceiling_b32`. They are timed as
-     the sampler's decode_step computes them (W @ x^T) and as nn.Linear does (x @ W^T).
+     matmuls can have: `sampler_vs_generate_ceiling_b32`.
 
 Figures move with the machine's load: the '#' header says what it was.
 """
 
 import argparse
+import contextlib
 import copy
 import os
 import time
@@ -51,13 +53,17 @@ from unittest.mock import patch
 import torch
 from transformers.cache_utils import Cache
 
-import agentflow
-from support import speed
-from agentflow import LLM, PLANNER_SYSTEM, SamplingParams
-from support.models import load_model
-from support.datasets import read_jsonl
-from support.config import load_config
+import engine
+from agentflow import PLANNER_SYSTEM
+from engine import LLM, SamplingParams
 from eval import build_agent
+from support import batching
+from support.batching import MIN_SHARED, common_prefix_len, shared_text_groups
+from support.config import load_config
+from support.datasets import read_jsonl
+from support.kv_cache import PreallocatedLayer
+from support.models import DEFAULT_MODEL, load_model
+from support.provenance import cpu_name
 from tools import TOOL_CLASSES, build_tools
 
 NEW = 64  # new tokens per row in the throughput comparison
@@ -79,7 +85,7 @@ SYSTEMS = [
 
 
 def header(args) -> None:
-    print(f"# cpu {speed.cpu_name()}")
+    print(f"# cpu {cpu_name()}")
     print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"device {args.device}, dtype {args.dtype}")
     print(f"# load average (1, 5, 15 min) at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
@@ -126,9 +132,9 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW)
     prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)])
                for i in range(max(BATCHES))]
-    groups = speed.shared_text_groups(prompts, [len(p) - 1 for p in prompts], 0)
+    groups = shared_text_groups(prompts, [len(p) - 1 for p in prompts], 0)
     print(f"# throughput prompts: {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"shared prefix {speed.common_prefix_len(prompts)} tokens (< {speed.MIN_SHARED}: not "
+          f"shared prefix {common_prefix_len(prompts)} tokens (< {MIN_SHARED}: not "
           f"reused); at b64 {len(groups)} shared-text groups (one per system prompt) share "
           f"{[n for _, n in groups]} tokens")
     # Warm up each path once (allocator, kernels, lazy init) on a small batch.
@@ -150,38 +156,55 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
     # timed in turns with the sampler as shipped (versus), so a slow spell of the
     # machine hits both sides of a ratio.
     B = 32
-    print(f"# decode way chosen for this machine: {no_eos.decode_name}")
     run_b32 = lambda: no_eos.sample(prompts[:B], params, seed=B)
-    # The model's own forward for each new token (the plain decode) instead of the way
-    # speed.choose_decode measured fastest here. b32.
-    swapped(device, "decode_step", "sampler_hf_forward", B, run_b32,
-            lambda: patch.object(no_eos, "decode", agentflow.decode))
-    # The whole plain path of agentflow.py (LLM(fast=False): common prefix once, one padded
-    # batch, the model's own forward, torch.multinomial) against the default fast path.
-    swapped(device, "fast_path", "sampler_plain_path", B, run_b32,
-            lambda: patch.multiple(no_eos, prefill=agentflow.prefill, draw=agentflow.multinomial,
-                                   decode=agentflow.decode))
-    # Prefill in groups of similar length (speed.length_groups) vs one left-padded
-    # batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
-    t_groups, t_one = versus(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)),
-                             lambda: patch.object(speed, "length_groups", lambda lengths: [list(range(len(lengths)))]))
+    # The model's own forward for each new token instead of engine.decode_step. b32.
+    swapped(device, "decode_step", "sampler_hf_forward", B, run_b32, generic_forward)
+    # Every idea below swapped at once: what the speed work earns together. b32.
+    swapped(device, "all_ideas", "sampler_generic", B, run_b32, every_idea_swapped)
+    # Prefill in groups of similar length (support.batching.length_groups) vs one
+    # left-padded batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
+    t_groups, t_one = versus(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), one_padded_batch)
     show("prefill_one_batch_s_b32", t_one)
     show("prefill_groups_speedup_b32", t_one / t_groups)
     B = max(BATCHES)
     run_b64 = lambda: no_eos.sample(prompts[:B], params, seed=B)
     # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
-    # inverse-CDF speed.draw (one uniform per row). b64.
-    swapped(device, "draw", "sampler_multinomial", B, run_b64,
-            lambda: patch.object(no_eos, "draw", agentflow.multinomial))
-    # Each row runs its whole prompt: no shared-text groups (speed.shared_text_groups). b64.
-    swapped(device, "shared_groups", "sampler_no_shared_groups", B, run_b64,
-            lambda: patch.object(speed, "shared_text_groups", lambda seqs, shareable, P: []))
-    # The sampler's cache is allocated once and filled in place (speed.PreallocatedLayer);
-    # Hugging Face's DynamicLayer concatenates, copying the whole cache every step. Same
-    # sampler, same rows, b64.
-    swapped(device, "kv_cache_in_place", "sampler_concat_cache", B, run_b64,
-            lambda: patch.object(speed, "preallocated_cache", concat_cache))
+    # inverse-CDF engine.draw (one uniform per row). b64.
+    swapped(device, "draw", "sampler_multinomial", B, run_b64, multinomial_draw)
+    # Each row runs its whole prompt: no shared-text groups. b64.
+    swapped(device, "shared_groups", "sampler_no_shared_groups", B, run_b64, no_shared_groups)
+    # The sampler's cache is allocated once and filled in place (support.kv_cache);
+    # Hugging Face's DynamicLayer concatenates, copying the whole cache every step. b64.
+    swapped(device, "kv_cache_in_place", "sampler_concat_cache", B, run_b64, concat_cache_swap)
+    # The stop rules: a row's tail decoded only after a token that can end a stop string,
+    # against after every token. A stop no row writes ("|~"), so every row runs on. b64.
+    stopped = replace_new(params, NEW)
+    stopped = SamplingParams(**{**vars(stopped), "stop": ("|~",)})
+    swapped(device, "stop_look", "sampler_tail_every_token", B,
+            lambda: no_eos.sample(prompts[:B], stopped, seed=B), tail_every_token)
     return out
+
+
+# Each speed idea of the engine, swapped for the generic way (a context manager each).
+generic_forward = lambda: patch.object(engine, "DECODE_STEP_MODELS", ())
+one_padded_batch = lambda: patch.object(engine, "length_groups", lambda lengths: [list(range(len(lengths)))])
+multinomial_draw = lambda: patch.object(engine, "draw", lambda w, gen: torch.multinomial(w, 1, generator=gen)[:, 0])
+no_shared_groups = lambda: patch.object(batching, "shared_text_groups", lambda seqs, shareable, P: [])
+concat_cache_swap = lambda: patch.object(engine, "preallocated_cache", concat_cache)
+
+
+def tail_every_token():
+    """LLM._hit_stop decoding the row's tail after every token, as before it looked first."""
+    def hit(self, ids, stops):
+        return any(s in self.tok.decode(ids[-8:], skip_special_tokens=True) for s in stops)
+    return patch.object(LLM, "_hit_stop", hit)
+
+
+@contextlib.contextmanager
+def every_idea_swapped():
+    with generic_forward(), one_padded_batch(), multinomial_draw(), no_shared_groups(), concat_cache_swap(), \
+            tail_every_token():
+        yield
 
 
 def versus(device: str, fn, swap, repeat: int = 3) -> tuple[float, float]:
@@ -202,7 +225,7 @@ def swapped(device: str, part: str, generic: str, B: int, fn, swap) -> None:
     show(f"{part}_speedup_b{B}", t_generic / t_ours)
 
 
-class ConcatLayer(speed.PreallocatedLayer):
+class ConcatLayer(PreallocatedLayer):
     """The in-place cache's prefill, then each new position appended the way Hugging
     Face's DynamicLayer appends it: torch.cat of the whole cache and the new keys."""
 
@@ -217,7 +240,7 @@ class ConcatLayer(speed.PreallocatedLayer):
 
 
 def concat_cache(capacity: int = 0, rows: int = 0) -> Cache:
-    """speed.preallocated_cache's stand-in with ConcatLayer layers (the planned room unused)."""
+    """support.kv_cache.preallocated_cache's stand-in with ConcatLayer layers (the planned room unused)."""
     return Cache(layer_class_to_replicate=ConcatLayer)
 
 
@@ -231,14 +254,13 @@ def prefix_reuse(llm: LLM, questions: list[str], device: str) -> None:
     system = PLANNER_SYSTEM.format(cards=cards)  # the planner's instructions, all six tool cards
     prompts = [llm.chat_ids(system, f"Question: {q}\nWhat is the next step?", "Tool:")
                for q in questions[:32]]
-    shared = speed.common_prefix_len(prompts)
+    shared = common_prefix_len(prompts)
     print(f"# prefix prompts: 32 x {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{shared} shared")
     one = SamplingParams(1.0, max_new_tokens=1)  # prefill + the first token, no decode step
 
     def unshared(ps):  # the sampler with its shared-text paths (prefix, shared-text groups) switched off
-        with patch.object(speed, "common_prefix_len", lambda prompts: 0), \
-                patch.object(speed, "shared_text_groups", lambda seqs, shareable, P: []):
+        with patch.object(batching, "common_prefix_len", lambda prompts: 0), no_shared_groups():
             llm.sample(ps, one)
 
     llm.sample(prompts[:4], one)  # warm up both paths
@@ -296,26 +318,23 @@ def roofline(llm: LLM, args, sampler_b64: float) -> None:
 
 
 def linear_only(llm: LLM, args, tp: dict) -> None:
-    """Part 4b: one decode step's linear layers alone, at B = 32 and 64 rows, computed as
-    speed.decode_step does (W @ x^T) and as nn.Linear does (x @ W^T)."""
+    """Part 4b: one decode step's linear layers alone, at B = 32 and 64 rows."""
     linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
     for B in (32, 64):
         xs = {k: torch.randn(B, k, device=args.device, dtype=linears[0].weight.dtype)
               for k in {m.in_features for m in linears}}  # [B, in] per input width
         with torch.no_grad():
-            for name, fn in (("", speed.linear_transposed), ("_hf_layout", lambda x, m: m(x))):
-                def step():  # every linear of one decode step: 30 x (q, k, v, o, gate, up, down) + lm_head
-                    for m in linears:
-                        fn(xs[m.in_features], m)  # [B, in] -> [B, out]
+            def step():  # every linear of one decode step: 30 x (q, k, v, o, gate, up, down) + lm_head
+                for m in linears:
+                    m(xs[m.in_features])  # [B, in] -> [B, out]
 
-                step()  # warm-up
-                t = clock(args.device, lambda: [step() for _ in range(3)]) / 3
-                show(f"linear_only{name}_tokens_per_s_b{B}", B / t)
-                if B == 32 and not name:  # generate's time / (prefill + 63 steps of linears only)
-                    t_generate = B * NEW / tp["generate_tokens_per_s_b32"]
-                    show("sampler_vs_generate_ceiling_b32", t_generate / (tp["prefill_s_b32"] + (NEW - 1) * t))
-    print(f"# linear-only: {len(linears)} linear layers per decode step, {linears[0].weight.dtype}; "
-          f"_hf_layout = x @ W^T as nn.Linear computes it")
+            step()  # warm-up
+            t = clock(args.device, lambda: [step() for _ in range(3)]) / 3
+        show(f"linear_only_tokens_per_s_b{B}", B / t)
+        if B == 32:  # generate's time / (prefill + 63 steps of linears only)
+            t_generate = B * NEW / tp["generate_tokens_per_s_b32"]
+            show("sampler_vs_generate_ceiling_b32", t_generate / (tp["prefill_s_b32"] + (NEW - 1) * t))
+    print(f"# linear-only: {len(linears)} linear layers per decode step, {linears[0].weight.dtype}")
 
 
 def show(name: str, value: float) -> None:
@@ -333,7 +352,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     header(args)
-    model, tok = load_model(agentflow.DEFAULT_MODEL, args.device, args.dtype)
+    model, tok = load_model(DEFAULT_MODEL, args.device, args.dtype)
     llm = LLM(model, tok)
     questions = read_questions("data/heldout.jsonl", 64)
     t0 = time.perf_counter()

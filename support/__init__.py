@@ -3,8 +3,8 @@ follow Flow-GRPO from train.py through the rollout to the update.
 
 It never imports the method files (tests/test_layout.py checks it). What is here:
 
-    speed.py           the sampler's and the loss's speed work (the plain path is in agentflow.py, flow_grpo.py)
-    batching.py        left padding and the shared prefix, for both paths
+    batching.py        left padding, the text rows share, batches of similar length (engine.prefill's plan)
+    kv_cache.py        the sampler's KV cache, allocated once and written in place
     models.py          loading a model; the offline default converted once
     device_memory.py   the memory plan of a run, and the sampler's sub-batches within it
     optim.py           AdamW with fp32 master weights; which weights train; the frozen reference

@@ -19,8 +19,6 @@ Frozen weights stay bf16, with no master, no gradient, no optimizer state. A flo
 model needs none of this: it gets the plain AdamW over its own weights.
 """
 
-import copy
-
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -37,17 +35,6 @@ def select_trainable(model, train_layers: int) -> list:
     for module in list(decoder.layers[-train_layers:]) + [decoder.norm]:
         module.requires_grad_(True)
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def frozen_reference(model, trainable: list) -> torch.nn.Module:
-    """pi_ref, the frozen initial weights, for the KL term (and the frozen executor,
-    verifier and generator). It SHARES every weight the policy does not train (one copy
-    in memory: with train_layers 8 of Qwen2.5-7B's 28 blocks that is ~11 GB not
-    duplicated) and owns copies of the trained ones only, which keep their initial
-    values while the policy's move."""
-    trained = {id(p) for p in trainable}
-    shared = {id(p): p for p in model.parameters() if id(p) not in trained}  # deepcopy's memo: kept as is
-    return copy.deepcopy(model, shared).requires_grad_(False)
 
 
 class MasterWeights:
@@ -123,26 +110,16 @@ class PlannerOptimizer:
         """The learning rate the next step takes."""
         return self.adamw.param_groups[0]["lr"]
 
-    def step(self, max_grad_norm: float, all_reduce=None) -> float:
-        """(Sum the gradients over processes,) clip, step, round the masters into the weights,
-        advance the schedule, free the gradients; return the gradient norm before clipping.
+    @property
+    def stepped(self) -> list[torch.nn.Parameter]:
+        """What AdamW steps: the trained weights, or their fp32 masters (whose .grad holds
+        the gradient; the bf16 weights' .grad is None by then)."""
+        return [p for group in self.adamw.param_groups for p in group["params"]]
 
-        The clip acts on what AdamW steps (the masters, whose .grad holds the gradient; the
-        bf16 weights' .grad is None by then). all_reduce (several processes:
-        ranks.World.sum_grads) sums those same gradients over the ranks first, in fp32 on
-        the masters, so the norm, the clip and the step are the whole batch's, the same on
-        every rank. The gradients are freed here, right after the step, not at the next
-        step's start: they would otherwise sit in memory through the next rollout."""
-        stepped = [p for group in self.adamw.param_groups for p in group["params"]]
-        if all_reduce is not None:
-            all_reduce(stepped)
-        norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))
-        self.adamw.step()
+    def copy_back(self) -> None:
+        """The stepped masters rounded into the model's bf16 weights (nothing for fp32)."""
         if self.masters is not None:
             self.masters.copy_to_model()
-        self.schedule.step()
-        self.adamw.zero_grad(set_to_none=True)
-        return norm
 
     def state_dict(self) -> dict:
         """What a resume needs: AdamW's moments, the schedule, the fp32 masters."""

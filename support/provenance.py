@@ -2,7 +2,7 @@
 
 What a reader needs to see why the same seed gives another number on another machine:
 the code's commit, torch and transformers versions, the CPU and the SIMD level torch
-dispatches to, threads, the decode way, wall time. train.py calls record_run once, right
+dispatches to, threads, wall time. train.py calls record_run once, right
 after it writes config.json; the report shows it in every run's header.
 """
 
@@ -17,11 +17,18 @@ from pathlib import Path
 import torch
 import transformers
 
-from support import speed
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: its git commit is the code's version
 
 
+def cpu_name() -> str:
+    """The model name of this machine's first CPU (what decides which kernels torch
+    dispatches to, and so the last bits of a run's floats), or what the platform says where /proc/cpuinfo has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def provenance(cfg: dict) -> dict:
@@ -40,7 +47,7 @@ def provenance(cfg: dict) -> dict:
     gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
     return {"seed": cfg.get("seed"), "git_commit": commit, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": speed.cpu_name(),
+            "cpu": cpu_name(),
             # The SIMD level torch dispatches its CPU kernels to (AVX2, AVX512, ...): two
             # machines with the same CPU name can still sum floats in another order.
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
@@ -73,7 +80,7 @@ def record_run(out_dir, cfg: dict) -> dict:
 
 def note_run(out_dir, entry: dict, **fields) -> None:
     """Add `fields` to this process's run.json entry (`entry`, from record_run): what is
-    known only later, such as the decode way chosen once the model has loaded."""
+    known only later, such as the wall time at exit."""
     _save_run(Path(out_dir) / "run.json",
               lambda ps: [{**p, **fields} if p.get("started_unix") == entry["started_unix"] else p for p in ps])
 

@@ -105,8 +105,8 @@ class World:
     @contextmanager
     def local_first(self):
         """The body runs on each machine's local rank 0 first, then on the other ranks: what
-        it caches on the machine's disk (the default model's one-time conversion, the
-        decode layout measured once per machine) is made once and read by the rest."""
+        it caches on the machine's disk (the default model's one-time conversion) is
+        made once and read by the rest."""
         if self.local_rank:
             self.barrier()
         yield
@@ -136,15 +136,6 @@ class World:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             tdist.all_reduce(p.grad)  # SUM; every rank receives the same bits
-
-    def agree_decode(self, llms: list) -> None:
-        """Every rank decodes as rank 0 does (agentflow.LLM.decode_name: the fastest way is
-        measured per machine, and two machines could choose differently and then sum
-        floats in different orders)."""
-        if self.size == 1:
-            return
-        for llm, name in zip(llms, self.broadcast([llm.decode_name for llm in llms])):
-            llm.use_decode(name)
 
 
 SINGLE = World()

@@ -20,7 +20,7 @@ def pytest_report_header(config):
                 f"(test_benchmarks.py, test_judge.py) are skipped; put the files there to run them")
     return None
 
-from agentflow import LLM  # noqa: E402
+from engine import LLM  # noqa: E402
 from support.models import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 

@@ -3,14 +3,15 @@ the rare runs on a GPU; and each of its checks can fail: every test below breaks
 the way a real regression would and sees that check print FAIL."""
 
 import re
+import time
+import types
 
 import pytest
 import torch
 
-import agentflow
+import engine
 import flow_grpo
 from scripts import gpu_check
-from support import speed
 
 Z = gpu_check.SIZES["cpu"]
 
@@ -56,17 +57,17 @@ def test_the_memory_part_runs_on_fake_counters(monkeypatch, capsys):
 
 def _second_best(pick):
     """A sampler whose greedy choice is the runner-up token: wrong tokens, wrong log-probs."""
-    def broken(logits, temperature, gen, draw=agentflow.multinomial):
+    def broken(logits, temperature, gen):
         if temperature > 0:
-            return pick(logits, temperature, gen, draw)
-        return pick(logits.scatter(-1, logits.argmax(-1, keepdim=True), float("-inf")), temperature, gen, draw)
+            return pick(logits, temperature, gen)
+        return pick(logits.scatter(-1, logits.argmax(-1, keepdim=True), float("-inf")), temperature, gen)
     return broken
 
 
 def _scaled_logprobs(pick):
     """A sampler that reports its log-probs 10% off (say, at another temperature)."""
-    def broken(logits, temperature, gen, draw=agentflow.multinomial):
-        tok, lp = pick(logits, temperature, gen, draw)
+    def broken(logits, temperature, gen):
+        tok, lp = pick(logits, temperature, gen)
         return tok, lp * 1.1
     return broken
 
@@ -96,41 +97,50 @@ def _sampler_as_pi_old(accumulate):
     return broken
 
 
-def _slow(step):
+def _slow_decode(mp, seconds: float = 10.0):
+    """A sampler whose decode step costs `seconds` more, on a clock of the check's own: every
+    engine.decode_step (the CPU's decode, which LLM.decode looks up at each call) moves the
+    clock that gpu_check times with forward by `seconds`, and sleeps not at all. generate
+    never calls it, so the sampler is measured slower than generate by a margin no
+    machine's speed or load can hide (generate at this toy size, milliseconds, would have to
+    take seconds)."""
+    late = [0.0]
+    step = engine.decode_step
+
     def broken(*a, **kw):
-        import time
-        time.sleep(0.01)
+        late[0] += seconds
         return step(*a, **kw)
-    return broken
+    mp.setattr(engine, "decode_step", broken)
+    mp.setattr(gpu_check, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + late[0],
+                                                         time=time.time))
 
 
 BREAKS = {
     # check: (part, what breaks it)
-    "sampler_fp32_logprob_max_diff": ("sampler", lambda mp: mp.setattr(agentflow, "pick", _scaled_logprobs(agentflow.pick))),
-    "sampler_bf16_logprob_max_diff": ("sampler", lambda mp: mp.setattr(agentflow, "pick", _scaled_logprobs(agentflow.pick))),
-    "sampler_fp32_not_argmax_tokens": ("sampler", lambda mp: mp.setattr(agentflow, "pick", _second_best(agentflow.pick))),
-    "sampler_bf16_argmax_margin_max": ("sampler", lambda mp: mp.setattr(agentflow, "pick", _second_best(agentflow.pick))),
-    "stops_rows_ended_by_a_stop_string": ("stops", lambda mp: mp.setattr(agentflow.LLM, "_hit_stop", lambda *a: False)),
-    "stops_rows_differing_every_8_vs_every_1": ("stops", lambda mp: mp.setattr(agentflow.LLM, "sample",
-                                                                             _late_look(agentflow.LLM.sample))),
-    "stops_texts_holding_their_stop": ("stops", lambda mp: mp.setattr(agentflow.LLM, "_text",
+    "sampler_fp32_logprob_max_diff": ("sampler", lambda mp: mp.setattr(engine, "pick", _scaled_logprobs(engine.pick))),
+    "sampler_bf16_logprob_max_diff": ("sampler", lambda mp: mp.setattr(engine, "pick", _scaled_logprobs(engine.pick))),
+    "sampler_fp32_not_argmax_tokens": ("sampler", lambda mp: mp.setattr(engine, "pick", _second_best(engine.pick))),
+    "sampler_bf16_argmax_margin_max": ("sampler", lambda mp: mp.setattr(engine, "pick", _second_best(engine.pick))),
+    "stops_rows_ended_by_a_stop_string": ("stops", lambda mp: mp.setattr(engine.LLM, "_hit_stop", lambda *a: False)),
+    "stops_rows_differing_every_8_vs_every_1": ("stops", lambda mp: mp.setattr(engine.LLM, "sample",
+                                                                             _late_look(engine.LLM.sample))),
+    "stops_texts_holding_their_stop": ("stops", lambda mp: mp.setattr(engine.LLM, "_text",
                                                                     lambda self, ids, stops: self.tok.decode(ids))),
-    "loss_bf16_fast_grad_rel_err": ("loss", lambda mp: mp.setattr(flow_grpo, "flow_grpo_loss",
-                                                                  _flipped_advantages(flow_grpo.flow_grpo_loss))),
-    "loss_bf16_plain_grad_cosine": ("loss", lambda mp: mp.setattr(flow_grpo, "flow_grpo_loss",
-                                                                  _flipped_advantages(flow_grpo.flow_grpo_loss))),
-    "onpolicy_logratio_mean": ("onpolicy", lambda mp: mp.setattr(agentflow, "pick", _scaled_logprobs(agentflow.pick))),
-    "onpolicy_logratio_p99": ("onpolicy", lambda mp: mp.setattr(agentflow, "pick", _scaled_logprobs(agentflow.pick))),
+    "loss_bf16_grad_rel_err": ("loss", lambda mp: mp.setattr(flow_grpo, "flow_grpo_loss",
+                                                             _flipped_advantages(flow_grpo.flow_grpo_loss))),
+    "loss_bf16_grad_cosine": ("loss", lambda mp: mp.setattr(flow_grpo, "flow_grpo_loss",
+                                                            _flipped_advantages(flow_grpo.flow_grpo_loss))),
+    "onpolicy_logratio_mean": ("onpolicy", lambda mp: mp.setattr(engine, "pick", _scaled_logprobs(engine.pick))),
+    "onpolicy_logratio_p99": ("onpolicy", lambda mp: mp.setattr(engine, "pick", _scaled_logprobs(engine.pick))),
     "onpolicy_ratio_dev_first_step_1x1": ("onpolicy", lambda mp: mp.setattr(
         flow_grpo, "accumulate_gradients", _sampler_as_pi_old(flow_grpo.accumulate_gradients))),
-    "speed_rows_differing_from_generate": ("speed", lambda mp: mp.setattr(agentflow, "pick", _second_best(agentflow.pick))),
-    "speed_sampler_over_generate": ("speed", lambda mp: mp.setitem(speed.DECODE_STEPS, "step",
-                                                                   _slow(speed.DECODE_STEPS["step"]))),
+    "speed_rows_differing_from_generate": ("speed", lambda mp: mp.setattr(engine, "pick", _second_best(engine.pick))),
+    "speed_sampler_over_generate": ("speed", _slow_decode),
     "memory_resident_over_plan": ("memory", lambda mp: mp.setattr(Fake, "scale", 1e9)),
     "memory_sampler_peak_over_plan": ("memory", lambda mp: mp.setattr(Fake, "scale", 1e9)),
     "memory_update_peak_over_plan": ("memory", lambda mp: mp.setattr(Fake, "scale", 1e9)),
     "memory_reserved_peak_over_budget": ("memory", lambda mp: mp.setattr(Fake, "scale", 1e9)),
-    "memory_sampler_sub_batches": ("memory", lambda mp: mp.setattr(agentflow, "sampler_sub_batches",
+    "memory_sampler_sub_batches": ("memory", lambda mp: mp.setattr(engine, "sampler_sub_batches",
                                                                    lambda prompts, *a: [range(len(prompts))])),
     "train_exit_codes_nonzero": ("train", lambda mp: mp.setattr(gpu_check, "ROOT", gpu_check.ROOT / "docs")),
 }
@@ -141,9 +151,6 @@ def test_each_check_can_fail(name, monkeypatch, capsys):
     part, breaks = BREAKS[name]
     monkeypatch.setattr(gpu_check, "counters", lambda dev: Fake)
     monkeypatch.setattr(Fake, "scale", 1.0)
-    # The decode way is measured per machine (engine.json): pin the one the breaks patch, or
-    # a machine that measured another way would run around the slowed step and PASS.
-    monkeypatch.setenv("AGENTFLOW_DECODE", "step")
     breaks(monkeypatch)
     assert run(part, capsys)[name] == "FAIL"
 
@@ -157,14 +164,12 @@ def test_a_resume_that_drifts_fails(monkeypatch, capsys):
 
 def test_every_check_has_a_way_to_fail():
     """Each threshold is broken by a test above, or is named here with the reason it is not."""
-    by_twin = {"loss_bf16_plain_grad_rel_err": "the same breaks as the fast path's (one loss)",
-               "loss_bf16_fast_grad_cosine": "the same breaks as the plain path's",
-               "onpolicy_ratio_dev_first_step_2x2": "the same break as 1x1",
+    by_twin = {"onpolicy_ratio_dev_first_step_2x2": "the same break as 1x1",
                "train_resumed_drift_over_training": "test_a_resume_that_drifts_fails",
                "train_weights_moved": "checked by the train part itself: without it the drift check would be vacuous",
                "train_resumed_step2_reward_diff": "test_a_resume_that_drifts_fails (the same runs)",
-               "speed_static_rows_differing_from_step": "CUDA only; tests/test_sampler.py holds the static step "
-                                                        "to the eager one on a CPU"}
+               "speed_static_rows_differing_from_step": "CUDA only; tests/test_graph_decode.py holds the graph "
+                                                        "block to the eager step on a CPU"}
     assert set(gpu_check.THRESHOLDS) == set(BREAKS) | set(by_twin)
 
 
@@ -172,4 +177,4 @@ def test_a_part_that_crashes_fails_and_the_rest_still_run(monkeypatch, capsys):
     monkeypatch.setitem(gpu_check.PARTS, "stops", lambda *a: 1 / 0)
     assert gpu_check.main(["--device", "cpu", "--only", "stops", "--only", "loss"]) == 1
     out = capsys.readouterr().out
-    assert "failed: stops (crashed)" in out and "CHECK loss_bf16_fast_grad_rel_err" in out
+    assert "failed: stops (crashed)" in out and "CHECK loss_bf16_grad_rel_err" in out

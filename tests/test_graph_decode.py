@@ -1,11 +1,11 @@
-"""The static decode step (speed.decode_step_static, "step_static"): on a GPU it is replayed
-as a CUDA graph; on a CPU the very same step runs eagerly, and here it must give what the
-eager decode_step ("step") gives, in the sampler's own loop: rows of different lengths
+"""The CUDA-graph block of the engine (engine.graph_step, GraphStep): on a GPU it is replayed
+as a CUDA graph; on a CPU the very same block runs eagerly (LLM.graphs turned on), and here
+it must give what decode_step gives, in the sampler's own loop: rows of different lengths
 behind a shared prefix, rows that finish early (the batch shrinks inside fixed buffers),
 sub-batches, sampled tokens, in float32 and bfloat16.
 
-Every test counts StaticDecoder.runs: a static way that silently fell back to another
-way would still give the right tokens, and must fail here."""
+Every test counts GraphStep.runs: a graph block that silently fell back to decode_step
+would still give the right tokens, and must fail here."""
 
 import gc
 
@@ -13,22 +13,19 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from agentflow import LLM, SamplingParams
-from support import speed
-from support.speed import StaticDecoder
+from engine import LLM, GraphStep, SamplingParams, decode_step, graph_step
 from test_sampler import QUESTIONS, SYSTEM, tiny_qwen2
 
 
 def qwen2_llm(tiny_llm, monkeypatch, dtype=torch.float32, **kw) -> LLM:
-    """An LLM over a tiny random Qwen2 (q/k/v biases) with the real tokenizer, created
-    under AGENTFLOW_DECODE=step_static: the environment variable selects the way."""
+    """An LLM over a tiny random Qwen2 (q/k/v biases) with the real tokenizer, decoding
+    through the graph block (as on CUDA)."""
     model = tiny_qwen2(tiny_llm.model.config.vocab_size)
     with torch.no_grad():  # at the default init every row repeats one token; these vary
         model.model.embed_tokens.weight.normal_(0, 0.3)
         model.lm_head.weight.normal_(0, 0.3)  # decisive greedy choices, as conftest's tiny Llama
-    monkeypatch.setenv("AGENTFLOW_DECODE", "step_static")
     llm = LLM(model.to(dtype), tiny_llm.tok, **kw)
-    assert llm.decode_name == "step_static" and llm.decode is speed.decode_step_static
+    llm.graphs = True
     return llm
 
 
@@ -44,13 +41,13 @@ def prompts_of(llm: LLM) -> list[list[int]]:
 
 
 def sample_both(llm: LLM, prompts, params, seed=0, row_stops=None):
-    """(the samples of "step", of "step_static", static steps run, StaticDecoders made)."""
-    llm.use_decode("step")
+    """(the samples of decode_step, of the graph block, its steps run, GraphSteps made)."""
+    llm.graphs = False
     ref = llm.sample(prompts, params, seed=seed, row_stops=row_stops)
-    llm.use_decode("step_static")
-    runs, setups = StaticDecoder.runs, StaticDecoder.setups
+    llm.graphs = True
+    runs, setups = GraphStep.runs, GraphStep.setups
     ours = llm.sample(prompts, params, seed=seed, row_stops=row_stops)
-    return ref, ours, StaticDecoder.runs - runs, StaticDecoder.setups - setups
+    return ref, ours, GraphStep.runs - runs, GraphStep.setups - setups
 
 
 def assert_same(ref, ours, tol=1e-5):
@@ -64,7 +61,7 @@ def early_finishes(llm: LLM, prompts, n: int):
     rows at different steps after the first decode step (rows 0, 3, 4, 6 on a stop
     string, the text of their tokens k-1 and k; row 2 on its 5th token, now an EOS id);
     the other rows run to the length limit."""
-    llm.use_decode("step")
+    llm.graphs = False
     free = llm.sample(prompts, SamplingParams(0.0, max_new_tokens=n))
     row_stops = [()] * len(prompts)
     for r, k in ((0, 3), (3, 5), (4, 8), (6, 11)):
@@ -109,7 +106,7 @@ def test_rows_finishing_early_float32(tiny_llm, monkeypatch, check_every):
 def test_sampled_tokens_equal_step(tiny_llm, monkeypatch):
     """Only the logits' path changes, not the draw: at temperature 1 with the same seed the
     same tokens, also with rows that end early, up to the first draw on a boundary, which no
-    two ways of summing can rule out. speed.draw picks token i when the row's uniform u falls
+    two ways of summing can rule out. engine.draw picks token i when the row's uniform u falls
     in [c_{i-1}, c_i) of the running sum of probabilities: a u within ~1e-7 of a boundary c_i
     (the two ways' float32 logits differ by that much) lands in token i for one way and in
     its neighbour i + 1 for the other. After such a draw the two batches may differ in which
@@ -135,8 +132,8 @@ def test_sampled_tokens_equal_step(tiny_llm, monkeypatch):
 
 
 def test_sub_batches(tiny_llm, monkeypatch):
-    """Several sub-batches (each with its own cache, so its own StaticDecoder): the results
-    of "step" under the same split, and nothing kept once the call is over."""
+    """Several sub-batches (each with its own cache, so its own GraphStep): the results
+    of decode_step under the same split, and nothing kept once the call is over."""
     from support.device_memory import DECODE_BYTES_PER_LOGIT, kv_bytes_per_token
 
     llm = qwen2_llm(tiny_llm, monkeypatch)
@@ -151,7 +148,7 @@ def test_sub_batches(tiny_llm, monkeypatch):
     assert subs >= 3 and setups >= subs and runs == subs * (params.max_new_tokens - 1)
     assert_same(ref, ours)
     gc.collect()
-    assert len(speed._STATIC) == 0  # each StaticDecoder went with its cache
+    assert not [o for o in gc.get_objects() if type(o) is GraphStep]  # each went with its cache
 
 
 def test_bfloat16_step_by_step(tiny_llm, monkeypatch):
@@ -170,16 +167,17 @@ def test_bfloat16_step_by_step(tiny_llm, monkeypatch):
     row_stops, eos_extra = early_finishes(llm, prompts, 20)
     llm.eos_ids = sorted(llm.eos_ids + [eos_extra])
     params = SamplingParams(0.0, max_new_tokens=20)
-    llm.use_decode("step")
+    llm.graphs = False
     ref = llm.sample(prompts, params, row_stops=row_stops)
     compared = []
+    model = llm.model
 
-    def both(model, tok, pos, mask, cache):
+    def both(tok, pos, mask, cache):
         twin = DynamicCache()  # the cache as it is before this step, for decode_step
         for i, layer in enumerate(cache.layers):
             twin.update(layer.keys.clone(), layer.values.clone(), i)  # [b, kv, S-1, D]
-        step = speed.decode_step(model, tok, pos, mask, twin).float()  # [b, V]
-        static = speed.decode_step_static(model, tok, pos, mask, cache).float()  # [b, V]
+        step = decode_step(model, tok, pos, mask, twin).float()  # [b, V]
+        static = graph_step(model, tok, pos, mask, cache).float()  # [b, V]
         tol = 2 * 2 ** -7 * step.abs().max()
         assert (static - step).abs().max() <= tol, ((static - step).abs().max(), tol)
         pick = static.argmax(-1)  # [b] the static way's greedy tokens
@@ -189,20 +187,20 @@ def test_bfloat16_step_by_step(tiny_llm, monkeypatch):
         return step
 
     llm.decode = both
-    runs = StaticDecoder.runs
+    runs = GraphStep.runs
     followed = llm.sample(prompts, params, row_stops=row_stops)
     # `both` returned step's logits, so the rows take step's tokens and end where planned;
     # the log-probs differ a little, since the cache `both` copies for step was written by
     # the static step (keys and values that differ from step's in the last bfloat16 place).
     assert_same(ref, followed, tol=1e-2)
-    assert StaticDecoder.runs - runs == len(compared) == params.max_new_tokens - 1
+    assert GraphStep.runs - runs == len(compared) == params.max_new_tokens - 1
     assert len({b for b, _ in compared}) >= 3  # the batch shrank twice or more
     assert sum(c for _, c in compared) >= 0.95 * sum(b for b, _ in compared)  # nearly all: the same token
     assert {s.finish for s in followed} == {"eos", "stop", "length"}
 
 
 def test_bfloat16_sampler_runs_static(tiny_llm, monkeypatch):
-    """bfloat16 through the sampler's own loop with step_static selected (the buffers,
+    """bfloat16 through the sampler's own loop with the graph block (the buffers,
     the bias and index_copy_ in the model's dtype): every decode step static, finite
     log-probs. (Token for token it is compared above, step by step: see there why.)"""
     llm = qwen2_llm(tiny_llm, monkeypatch, torch.bfloat16)
@@ -214,15 +212,16 @@ def test_bfloat16_sampler_runs_static(tiny_llm, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_growth_and_dropped_rows_at_the_step_level(tiny_llm, dtype):
-    """decode_step_static against decode_step, each on its own cache: a cache planned with
-    too little room (it grows: new buffers, so a new StaticDecoder), rows dropped in place
+    """graph_step against decode_step, each on its own cache: a cache planned with
+    too little room (it grows: new buffers, so a new GraphStep), rows dropped in place
     (garbage rows, then a smaller one), over 40 steps with the same tokens fed to both."""
-    from support.speed import decode_step, decode_step_static, preallocated_cache, prefill
+    from engine import prefill
+    from support.kv_cache import preallocated_cache
 
     model = tiny_qwen2(tiny_llm.model.config.vocab_size).to(dtype)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (2 * i + 1) for i in range(4)]  # lengths differ
     caches = {"step": preallocated_cache(), "static": preallocated_cache()}  # room for 2 x the prefill
-    setups, tol = StaticDecoder.setups, 1e-5 if dtype == torch.float32 else 2 * 2 ** -7
+    setups, tol = GraphStep.setups, 1e-5 if dtype == torch.float32 else 2 * 2 ** -7
     with torch.no_grad():
         for cache in caches.values():
             logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
@@ -236,31 +235,19 @@ def test_growth_and_dropped_rows_at_the_step_level(tiny_llm, dtype):
                 tok, mask, pos = tok[keep], mask[keep], pos[keep]
             mask = torch.cat([mask, torch.ones_like(pos)], -1)
             ref = decode_step(model, tok, pos, mask, caches["step"]).float()  # [b, V]
-            ours = decode_step_static(model, tok, pos, mask, caches["static"]).float()
+            ours = graph_step(model, tok, pos, mask, caches["static"]).float()
             assert (ours - ref).abs().max() <= tol * ref.abs().max().clamp(min=1), (step, (ours - ref).abs().max())
             assert caches["static"].layers[0].keys.shape == caches["step"].layers[0].keys.shape
             tok, pos = ref.argmax(-1), pos + 1
     assert caches["static"].layers[0].k_buffer.shape[2] > planned  # it did outgrow its first buffers
-    assert StaticDecoder.setups - setups >= 4  # first step, 2 rows, 1 row, grown buffers
+    assert GraphStep.setups - setups >= 4  # first step, 2 rows, 1 row, grown buffers
 
 
-def test_opt_in_only(tiny_llm, monkeypatch):
-    """choose_decode never measures the static step (on a CPU its choices are unchanged);
-    AGENTFLOW_DECODE selects it; a model decode_step does not cover stays on forward;
-    the plain path's cache (a DynamicCache) is refused, not silently decoded otherwise."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def never(*a, **k):
-        raise AssertionError("the static step was measured")
-
-    monkeypatch.setitem(speed.DECODE_STEPS, "step_static", never)
-    assert speed._measure_decode(tiny_llm.model, rows=4, rounds=1) in ("forward", "step", "step_transposed")
-    monkeypatch.setenv("AGENTFLOW_DECODE", "step_static")
-    assert speed.choose_decode(tiny_llm.model) == "step_static"
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2)).eval()
-    assert speed.choose_decode(gpt2) == "forward"
-    monkeypatch.undo()
-    plain = LLM(tiny_llm.model, tiny_llm.tok, fast=False)
-    plain.use_decode("step_static")
-    with pytest.raises(TypeError, match="preallocated_cache"):
-        plain.sample(prompts_of(plain)[:2], SamplingParams(0.0, max_new_tokens=3))
+def test_the_device_type_decides(tiny_llm):
+    """The graph block is CUDA's: an LLM on a CPU decodes with decode_step, and checks the
+    stop rules after every token (one on CUDA would take the graph and look every 8)."""
+    llm = LLM(tiny_llm.model, tiny_llm.tok)
+    assert llm.device.type == "cpu" and not llm.graphs and llm.check_every == 1
+    runs = GraphStep.runs
+    llm.sample(prompts_of(llm)[:2], SamplingParams(0.0, max_new_tokens=3))
+    assert GraphStep.runs == runs

@@ -114,7 +114,8 @@ def write_data(d: Path) -> tuple[Path, Path]:
 
 def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api, monkeypatch):
     import agentflow
-    from support import speed
+    import engine
+    import flow_grpo
     import train
     from support.config import load_config
     from support.device_memory import DECODE_BYTES_PER_LOGIT, GB, plan_for
@@ -176,7 +177,7 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
     monkeypatch.setattr(judge, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1, "f1": 0.0,
                                                                      "extracted": answer})
     calls, chunked = [], []
-    real_sample = agentflow.LLM.sample
+    real_sample = engine.LLM.sample
 
     def counted(self, prompts, *a, **k):
         before = self.sub_batches_run
@@ -184,9 +185,9 @@ def test_the_7b_config_end_to_end_on_a_tiny_qwen2(tiny_qwen2_dir, tmp_path, api,
         calls.append((len(prompts), self.sub_batches_run - before))
         return out
 
-    monkeypatch.setattr(agentflow.LLM, "sample", counted)
-    real_chunked = speed.chunked_logprobs
-    monkeypatch.setattr(speed, "chunked_logprobs", lambda *a, **k: chunked.append(a[0].shape) or real_chunked(*a, **k))
+    monkeypatch.setattr(engine.LLM, "sample", counted)
+    real_chunked = flow_grpo.ChunkedLogprobs.apply
+    monkeypatch.setattr(flow_grpo.ChunkedLogprobs, "apply", lambda *a: chunked.append(a[0].shape) or real_chunked(*a))
 
     assert train.main([config_path, *overrides]) == 0
     out = tmp_path / "run"

@@ -4,7 +4,8 @@ every new token, no cache, no padding, no batching, no shared prefix."""
 import pytest
 import torch
 
-from agentflow import LLM, SamplingParams, restrict
+import engine
+from engine import LLM, SamplingParams, restrict
 from support.models import load_model
 
 SYSTEM = "You pick tools. Available: Python_Coder, Local_Search, Base_Generator. Reply with a tool name."
@@ -95,20 +96,21 @@ def test_same_seed_same_tokens_and_sampled_logprobs_match(tiny_llm):
         assert max(abs(x - y) for x, y in zip(ref, s.logprobs)) < 1e-4
 
 
-def test_plain_path_equals_fast_path(tiny_llm):
-    """agentflow.py's plain prefill and decode (the reference a learner reads) against the
-    speed.py path the sampler runs by default: the same greedy tokens and log-probs,
-    both equal to naive recomputation; sampling on the plain path is seeded too."""
-    plain = LLM(tiny_llm.model, tiny_llm.tok, fast=False)
-    prompts = prompts_for(tiny_llm) + prompts_for(tiny_llm)[:2]  # duplicates: the fast path runs them once
-    params = SamplingParams(0.0, max_new_tokens=10)
-    fast, slow = tiny_llm.sample(prompts, params), plain.sample(prompts, params)
-    for a, b in zip(fast, slow):
-        assert a.ids == b.ids and a.finish == b.finish
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-    check_against_naive(plain, prompts_for(plain))
-    hot = SamplingParams(1.0, max_new_tokens=6)
-    assert [s.ids for s in plain.sample(prompts, hot, seed=3)] == [s.ids for s in plain.sample(prompts, hot, seed=3)]
+def test_greedy_equals_transformers_generate(tiny_llm, default_model_path):
+    """transformers' own generate, each prompt alone (its cache, its forward), against the
+    sampler's batched rows behind a shared prefix: the same greedy tokens, and log-probs
+    that are the log-softmax of generate's raw logits; on the tiny model and the default."""
+    for llm in (tiny_llm, LLM(*load_model(default_model_path))):
+        prompts = prompts_for(llm) + prompts_for(llm)[:1]  # a duplicate: prefilled once
+        params = SamplingParams(0.0, max_new_tokens=10)
+        ours = llm.sample(prompts, params)
+        for p, s in zip(prompts, ours):
+            out = llm.model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=llm.pad_id,
+                                     eos_token_id=llm.eos_ids, output_logits=True, return_dict_in_generate=True)
+            ref = out.sequences[0, len(p):].tolist()  # ends at its EOS, as ours does
+            assert s.ids == ref, (s.ids, ref)
+            ref_lp = [torch.log_softmax(z[0].float(), -1)[t].item() for z, t in zip(out.logits, ref)]
+            assert max(abs(a - b) for a, b in zip(s.logprobs, ref_lp)) < 1e-4
 
 
 def test_bench_concat_cache_samples_what_the_in_place_cache_samples(tiny_llm):
@@ -117,11 +119,10 @@ def test_bench_concat_cache_samples_what_the_in_place_cache_samples(tiny_llm):
     from unittest.mock import patch
 
     from scripts import speed_bench
-    from support import speed
     prompts = prompts_for(tiny_llm) * 2
     hot = SamplingParams(1.0, max_new_tokens=9)
     ours = tiny_llm.sample(prompts, hot, seed=5)
-    with patch.object(speed, "preallocated_cache", speed_bench.concat_cache):
+    with patch.object(engine, "preallocated_cache", speed_bench.concat_cache):
         theirs = tiny_llm.sample(prompts, hot, seed=5)
     assert [s.ids for s in ours] == [s.ids for s in theirs]
     assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
@@ -202,7 +203,8 @@ def test_preallocated_cache_equals_dynamic_cache(tiny_llm):
     and growth past its capacity."""
     from transformers import DynamicCache
 
-    from support.speed import preallocated_cache, prefill
+    from engine import prefill
+    from support.kv_cache import preallocated_cache
 
     model = tiny_llm.model
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * (i + 1) for i in range(4)]  # shared prefix of 9
@@ -229,22 +231,6 @@ def test_preallocated_cache_equals_dynamic_cache(tiny_llm):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("b", [1, 3, 64])
-def test_linear_transposed_equals_nn_linear(b):
-    """decode_step_transposed's linear_transposed (W @ x^T) against nn.Linear, with a bias,
-    for a narrow layer and one as wide as a vocabulary projection."""
-    from support.speed import linear_transposed
-
-    torch.manual_seed(0)
-    for out in (40, 5127):
-        lin = torch.nn.Linear(24, out)
-        x = torch.randn(b, 24)
-        with torch.no_grad():
-            ours, ref = linear_transposed(x, lin), lin(x)
-        assert ours.shape == ref.shape == (b, out) and ours.is_contiguous()
-        assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
-
-
 def tiny_qwen2(vocab_size: int):
     """A 2-layer random Qwen2: like Llama, plus biases on q, k and v."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -264,7 +250,8 @@ def tiny_qwen2(vocab_size: int):
 def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
     """decode_step (the decoder written out for one position) gives the logits of the
     model's own forward, step after step, on left-padded rows behind a shared prefix."""
-    from support.speed import decode_step, preallocated_cache, prefill
+    from engine import decode_step, prefill
+    from support.kv_cache import preallocated_cache
 
     model = tiny_llm.model if arch == "llama" else tiny_qwen2(tiny_llm.model.config.vocab_size)
     assert model.config.model_type == arch
@@ -283,54 +270,47 @@ def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
             tok, pos = hf.argmax(-1), pos + 1
 
 
-def test_sampler_with_every_decode_way(tiny_llm):
-    """The plain decode (the model's own forward) and decode_step in both linear layouts
-    run in the same loop: they sample the same tokens with the same log-probs."""
+def test_decode_step_samples_what_the_forward_samples(tiny_llm, monkeypatch):
+    """decode_step (the decoder written out) and the model's own forward (what a decoder it
+    does not cover decodes through) in the same loop: the same sampled tokens and log-probs."""
     prompts = prompts_for(tiny_llm)
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
-    chosen, results = tiny_llm.decode_name, []
-    try:
-        for way in ("forward", "step", "step_transposed"):
-            tiny_llm.use_decode(way)
-            results.append(tiny_llm.sample(prompts, params, seed=7))
-    finally:
-        tiny_llm.use_decode(chosen)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert a.ids == b.ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    steps, real = [], engine.decode_step
+    monkeypatch.setattr(engine, "decode_step", lambda *a: steps.append(1) or real(*a))
+    ours = tiny_llm.sample(prompts, params, seed=7)
+    ran = len(steps)
+    monkeypatch.setattr(engine, "DECODE_STEP_MODELS", ())
+    theirs = tiny_llm.sample(prompts, params, seed=7)
+    assert ran and len(steps) == ran  # decode_step ran the first call, the forward the second
+    for a, b in zip(ours, theirs):
+        assert a.ids == b.ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def test_decode_way_is_measured_once_per_machine_and_remembered(tiny_llm, tmp_path, monkeypatch):
-    from support import speed
-
-    monkeypatch.setenv("AGENTFLOW_HOME", str(tmp_path))
-    monkeypatch.delenv("AGENTFLOW_DECODE", raising=False)  # a user's pinned way would skip the measurement
-    monkeypatch.setattr(speed, "_CHOICES", {})
-    measured = []
-    monkeypatch.setattr(speed, "_measure_decode", lambda model: measured.append(1) or "step")
-    assert speed.choose_decode(tiny_llm.model) == "step"
-    assert measured == [1] and '"step"' in (tmp_path / "engine.json").read_text()
-    monkeypatch.setattr(speed, "_CHOICES", {})  # a new process: read from the file, not measured
-    assert speed.choose_decode(tiny_llm.model) == "step" and measured == [1]
-    monkeypatch.setenv("AGENTFLOW_DECODE", "forward")
-    assert speed.choose_decode(tiny_llm.model) == "forward"
-    monkeypatch.setenv("AGENTFLOW_DECODE", "fastest")
-    with pytest.raises(ValueError, match="AGENTFLOW_DECODE"):
-        speed.choose_decode(tiny_llm.model)
-
-
-def test_decode_measurement_names_a_way(tiny_llm):
-    from support import speed
-
-    assert speed._measure_decode(tiny_llm.model, rows=4, rounds=1) in ("forward", *speed.DECODE_STEPS)
+def test_stop_rules_decode_only_where_a_stop_can_end(tiny_llm, monkeypatch):
+    """A stop string ends only at a token whose text holds its last character: the tail
+    of a row is decoded only after such tokens (here never: no token of these rows holds
+    a character of this stop), and finishes are those of decoding after every token."""
+    prompts = prompts_for(tiny_llm)
+    free = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=12))
+    text = "".join(s.text for s in free)
+    absent = next(c for c in "~^|@#%" if c not in text)
+    stop = free[1].text[2:4]
+    calls = []
+    real = tiny_llm.tok.decode
+    monkeypatch.setattr(tiny_llm.tok, "decode", lambda ids, **k: calls.append(len(ids)) or real(ids, **k))
+    tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=12, stop=("x" + absent,)))
+    assert not [n for n in calls if n > 1 and n < 12]  # pieces of one token, the final texts: no tail
+    out = tiny_llm.sample(prompts, SamplingParams(0.0, max_new_tokens=12), row_stops=[(), (stop,), (), ()])
+    assert out[1].finish == "stop" and out[1].text == free[1].text[:free[1].text.index(stop)]
+    assert [s.ids for i, s in enumerate(out) if i != 1] == [s.ids for i, s in enumerate(free) if i != 1]
 
 
 def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
     """Inverse-CDF sampling: frequencies over 40k draws match w / sum(w) within 5 sigma,
     zero weights (top-k / top-p / first-token cuts) are never drawn, and a uniform that
     rounds up to the total still lands on a token with weight."""
-    from support.speed import draw
+    from engine import draw
 
     w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])  # unnormalised, zeros inside and at both ends
     p = w / w.sum()
@@ -343,7 +323,7 @@ def test_draw_matches_the_weights_and_never_draws_a_zero_weight():
 
 
 def test_draw_edge_uniform_at_the_total(monkeypatch):
-    from support.speed import draw
+    from engine import draw
 
     w = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 4.0]])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1]))  # u = the row's total
@@ -355,7 +335,7 @@ def test_length_groups_is_the_cheapest_split():
     import itertools
     import random
 
-    from support.speed import length_groups
+    from support.batching import length_groups
 
     def cost(groups, lengths, c):
         return sum(len(g) * max(lengths[r] for r in g) + c for g in groups)
@@ -384,8 +364,10 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, shared):
     (and, with `shared`, rows that share more run that part once per shared group); the
     logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
     of the one left-padded batch where each row computes all of its own tokens."""
-    from support import speed
-    from support.speed import decode_step, length_groups, preallocated_cache, prefill, shared_text_groups
+    from engine import decode_step, prefill
+    from support import batching
+    from support.batching import length_groups, shared_text_groups
+    from support.kv_cache import preallocated_cache
 
     model = tiny_llm.model
     if shared:  # rows 0, 1 share 12 more tokens, rows 2, 3 share 10; row 4 shares nothing more
@@ -408,8 +390,8 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, shared):
     try:
         for name in ("shared", "one batch"):
             if name == "one batch":
-                monkeypatch.setattr(speed, "length_groups", lambda lengths: [list(range(len(lengths)))])
-                monkeypatch.setattr(speed, "shared_text_groups", lambda seqs, shareable, P: [])
+                monkeypatch.setattr(engine, "length_groups", lambda lengths: [list(range(len(lengths)))])
+                monkeypatch.setattr(batching, "shared_text_groups", lambda seqs, shareable, P: [])
             tokens.clear()
             with torch.no_grad():
                 cache = preallocated_cache()
@@ -444,7 +426,7 @@ def test_sampler_with_shared_text_groups_equals_naive(tiny_llm):
     """Verifier-like prompts: the G rows of a query share the question, then their
     memories differ. The sampler runs each question once; greedy tokens and log-probs
     are those of recomputing every row alone."""
-    from support.speed import common_prefix_len, shared_text_groups
+    from support.batching import common_prefix_len, shared_text_groups
 
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
@@ -455,7 +437,7 @@ def test_sampler_with_shared_text_groups_equals_naive(tiny_llm):
 
 def test_shared_text_groups():
     """Rows group by what they share beyond the common prefix P, within `shareable`."""
-    from support.speed import MIN_SHARED, shared_text_groups
+    from support.batching import MIN_SHARED, shared_text_groups
 
     q = list(range(100, 100 + MIN_SHARED + 4))  # a question: MIN_SHARED + 4 tokens
     seqs = [[1] * 10 + q + [7], [1] * 10 + [2] * 30, [1] * 10 + q + [8, 9], [1] * 10 + q + [7, 5]]
@@ -473,14 +455,14 @@ def test_a_model_decode_step_does_not_cover(tiny_llm):
     forward in the same loop still equal full recomputation."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from support.speed import length_groups
+    from support.batching import length_groups
 
     torch.manual_seed(0)
     tok = tiny_llm.tok
     cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     llm = LLM(GPT2LMHeadModel(cfg).eval(), tok)
-    assert llm.decode_name == "forward"  # the written-out steps cover Llama and Qwen2 only
+    assert llm.model.config.model_type not in engine.DECODE_STEP_MODELS  # decodes through its own forward
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] + [20 + i] * n for i, n in enumerate([1, 60, 3, 58, 2])]
     assert len(length_groups([len(p) - 8 for p in prompts])) == 2
     check_against_naive(llm, prompts, n=5)
@@ -492,7 +474,7 @@ def test_draw_reaches_the_tail_of_a_152k_vocabulary(monkeypatch):
     tail tokens behind it (1e-9 each) had intervals of width zero (and on a GPU, which
     also adds in float32, all of them). With the float64 sum each keeps its own interval:
     a uniform that lands inside token k's interval draws token k."""
-    from support.speed import draw
+    from engine import draw
 
     V = 152_064
     w = torch.full((1, V), 1e-9)
@@ -510,7 +492,6 @@ def test_draw_reaches_the_tail_of_a_152k_vocabulary(monkeypatch):
 def test_sub_batches_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
     """Rows that do not fit one sub-batch's budget run as successive sub-batches: the same greedy
     tokens as one sub-batch (and as full recomputation), each sub-batch's cache within the budget."""
-    from support import speed
     from support.device_memory import DECODE_BYTES_PER_LOGIT, kv_bytes_per_token
 
     prompts = prompts_for(tiny_llm) * 2
@@ -520,14 +501,14 @@ def test_sub_batches_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
     per_row = tiny_llm.model.config.vocab_size * DECODE_BYTES_PER_LOGIT
     budget = 3 * ((max(map(len, prompts)) + 6) * per_token + per_row)  # about three rows
     caches = []
-    real = speed.prefill_prompts
+    real = engine.prefill_prompts
 
     def spy(*a, **k):
         out = real(*a, **k)
         caches.append((len(a[1]), out[2]))
         return out
 
-    monkeypatch.setattr(speed, "prefill_prompts", spy)
+    monkeypatch.setattr(engine, "prefill_prompts", spy)
     llm = LLM(tiny_llm.model, tiny_llm.tok)
     llm.sub_batch_bytes = budget
     split = llm.sample(prompts, params)
@@ -544,10 +525,10 @@ def test_sub_batches_keep_greedy_results_and_the_budget(tiny_llm, monkeypatch):
 def test_the_cache_is_allocated_once_at_its_final_size(tiny_llm, monkeypatch):
     """Prefix repeat, identical prompts spread to their copies, batches and shared groups laid
     out, rows dropped: all inside the buffers allocated at the first update, never moved."""
-    from support import speed
+    from support.kv_cache import PreallocatedLayer
 
     moves = []
-    monkeypatch.setattr(speed.PreallocatedLayer, "_move", lambda self, *a: moves.append(a))
+    monkeypatch.setattr(PreallocatedLayer, "_move", lambda self, *a: moves.append(a))
     q = [tiny_llm.chat_ids(SYSTEM, f"{question}\nMemory: {m}") for question in QUESTIONS[1:3]
          for m in ("none yet", "Turn 1 found the year 1204.")]
     long = tiny_llm.chat_ids(SYSTEM, "word " * 60, "Tool:")
@@ -619,20 +600,16 @@ def test_pad_rows_without_a_shared_prefix_stay_finite(tiny_llm, dtype):
     """Rows that share no prefix (nothing runs once for all of them) and differ in length by
     far: the left pads of the short rows are queries whose every key is masked, which some
     attention kernels turn into NaN, and a NaN in a pad's value would reach the real tokens
-    through 0 * NaN. The prefill's logits, plain and fast, must be finite and each row's
-    must equal the row run alone; in the dtype a GPU run uses too."""
+    through 0 * NaN. The prefill's logits must be finite and each row's must equal the row
+    run alone; in the dtype a GPU run uses too."""
     import copy
-
-    from agentflow import prefill as plain_prefill
-    from support import speed
 
     model = copy.deepcopy(tiny_llm.model).to(dtype)
     prompts = [[7 + i] * n for i, n in enumerate((3, 40, 1, 25))]  # no common first token, lengths 1..40
     alone = torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in prompts])  # [4, V]
-    for way in (plain_prefill, speed.prefill_prompts):
-        with torch.no_grad():
-            logits, mask, _ = way(model, prompts, tiny_llm.pad_id)
-        logits = logits.float()  # [4, V]
-        assert torch.isfinite(logits).all(), way.__name__
-        tol = 1e-4 if dtype == torch.float32 else 0.1
-        assert (logits - alone).abs().max() < tol * alone.abs().max(), (way.__name__, (logits - alone).abs().max())
+    with torch.no_grad():
+        logits, mask, _ = engine.prefill_prompts(model, prompts, tiny_llm.pad_id)
+    logits = logits.float()  # [4, V]
+    assert torch.isfinite(logits).all()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert (logits - alone).abs().max() < tol * alone.abs().max(), (logits - alone).abs().max()
