@@ -40,13 +40,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from agentflow import LLM, AgentSystem, agent_config
+from agentflow import AgentSystem, agent_config
+from engine import LLM
+from flow_grpo import estimator_named
 from judge import Judge, Reward, turn_scorer
+from memory import view_named
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.checkpoints import disk_problem
 from support.datasets import Item, load_benchmark, read_jsonl
-from support.device_memory import plan_for
+from support.device_memory import plan_for, use_expandable_segments
 from support.models import check_model, check_models, load_model, planner_name
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
@@ -183,12 +186,11 @@ def build_agent(cfg: dict, model_path: str | None = None, world=ranks.SINGLE):
     if m["threads"]:
         torch.set_num_threads(m["threads"])
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])  # first: a sandbox that cannot work stops us early
-    with world.local_first():  # what is converted or measured once per machine (train.run says which)
+    with world.local_first():  # the default model's one-time conversion: once per machine
         frozen_model, tok = load_model(m["name"], m["device"], m["dtype"])
         name = model_path or planner_name(m)
         planner_model = frozen_model if name == m["name"] else load_model(name, m["device"], m["dtype"])[0]
         planner, frozen = LLM(planner_model, tok), LLM(frozen_model, tok)
-    world.agree_decode([planner, frozen])
     return AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
 
 
@@ -214,8 +216,11 @@ def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -
     one line per problem, all at once."""
     problems = preflight(cfg, data=training) + check_toolset(cfg)
     Reward.from_config(cfg["reward"])  # its terms are known, their modules import
+    view_named(cfg["agent"]["planner_view"])  # the planner's view of the memory, perhaps one of those modules'
     if training and cfg["train"]["advantage_mode"] == "per_turn":
         turn_scorer(cfg["train"]["turn_score"])
+    if training:
+        estimator_named(cfg["train"]["advantage"])
     models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
     problems += models
     if training and not models:  # the plan reads the model's config.json, which check_models just read
@@ -243,7 +248,6 @@ def planners(cfg: dict, agent, model_path: str | None) -> dict:
         initial = agent.planner
     else:
         initial = LLM(load_model(planner_name(m), m["device"], m["dtype"])[0], agent.frozen.tok)
-        initial.use_decode(agent.planner.decode_name)
     out = {"frozen": AgentSystem(initial, agent.frozen, agent.tools, agent.cfg)}
     if model_path:
         out[f"trained ({Path(model_path).name})"] = agent
@@ -259,6 +263,7 @@ def main(argv=None) -> int:
                     "Evaluates the configured (frozen) planner and, with --model, the trained one at each "
                     "budget; prints the table and writes OUT_DIR/turn_sweep.json (the run's report shows it)")
     args = ap.parse_args(argv)
+    use_expandable_segments()  # before the preflight's memory plan or anything else touches CUDA
     try:
         cfg, items, out = load_run(args, [f"agent.force_tool={args.force_tool}"] if args.force_tool else [])
     except (ConfigError, FileNotFoundError, ValueError) as e:

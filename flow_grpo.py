@@ -45,18 +45,18 @@ several it is a no-grad pass before the first step, in the very micro-batches th
 step will use. The sampler's log-probs stay in TurnRow as a diagnostic (`logprob_gap`).
 
 Simplified: no value model, no entropy bonus, one reference (the frozen initial weights).
-The update's batching (UpdateConfig: micro-batches, a token cap, logits chunks, the
-plain or the fast log-probs of support/speed.py) changes how much memory and time a step
-takes, never what it computes (tests/test_flow_grpo.py).
+The update's batching (UpdateConfig: micro-batches, a token cap, logits chunks) changes
+how much memory and time a step takes, never what it computes (tests/test_flow_grpo.py).
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from agentflow import SamplingParams
-from support import speed
-from support.batching import left_padded
+from engine import SamplingParams, prefill
+from support.config import ConfigError
 from support.ranks import SINGLE
 
 
@@ -83,7 +83,7 @@ class LossConfig:
         return cls(t["eps_low"], t["eps_high"], t["beta"], t["kl_estimator"])
 
 
-# Action positions per chunk of the fast path's log-probs: the [chunk, V] float32 logits of
+# Action positions per chunk of token_logprobs: the [chunk, V] float32 logits of
 # one chunk are the largest tensor the loss makes (config train.logits_chunk).
 LOGITS_CHUNK = 1024
 
@@ -97,8 +97,7 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     micro_batch: int = 16  # rows per forward and backward
     max_tokens: int = 0  # rows x longest sequence per forward (the memory plan's; 0 = no cap)
-    chunk: int = LOGITS_CHUNK  # action positions whose logits exist at once (the fast path)
-    fast: bool = True  # the speed work's log-probs (support/speed.py) or the plain path here
+    chunk: int = LOGITS_CHUNK  # action positions whose logits exist at once (token_logprobs)
 
     @classmethod
     def from_train(cls, t: dict, max_tokens: int = 0) -> "UpdateConfig":
@@ -134,6 +133,53 @@ def group_advantages(rewards: list[float], group_size: int, n_turns: list[int] |
     return adv.view(-1).tolist()
 
 
+# How one group's values (its kept rollouts' rewards, or with credit per turn its turn
+# rows' scores) become advantages: train.advantage names one. The paper's is "grpo"; a
+# fork registers its own with @advantage_estimator in a module listed in reward.modules,
+# and tests/test_flow_grpo.py runs every registered one through the loss.
+ADVANTAGE_ESTIMATORS = {}  # name -> fn(values of one group: list[float]) -> advantages: list[float]
+
+
+def advantage_estimator(name: str):
+    """Register fn(values) -> advantages, both one float per rollout of a group, as `name`."""
+    def add(fn):
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return add
+
+
+def estimator_named(name: str):
+    """The advantage estimator `name` (modules of reward.modules imported already)."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"train.advantage: unknown advantage estimator {name!r}; known: "
+                          f"{', '.join(ADVANTAGE_ESTIMATORS)} (one of your own: @flow_grpo.advantage_estimator "
+                          f"in a module listed in reward.modules)")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+@advantage_estimator("grpo")
+def grpo(values: list[float]) -> list[float]:
+    """The paper's: A_i = (R_i - mean) / (std + eps) over the group (group_advantages)."""
+    return group_advantages(values, len(values))
+
+
+@advantage_estimator("dr_grpo")
+def dr_grpo(values: list[float]) -> list[float]:
+    """Dr. GRPO (Liu et al., 2025): A_i = R_i - mean, without the division by the std, which
+    weighs a group whose rewards barely differ as much as one split half and half."""
+    mean = sum(values) / len(values)
+    return [v - mean for v in values]
+
+
+@advantage_estimator("rloo")
+def rloo(values: list[float]) -> list[float]:
+    """RLOO (Ahmadian et al., 2024): each rollout's baseline is the mean of the OTHER G-1,
+    A_i = R_i - (sum_k R_k - R_i) / (G - 1) = G / (G - 1) * (R_i - mean): unbiased, since a
+    rollout's baseline does not depend on its own reward."""
+    total, G = sum(values), len(values)
+    return [v - (total - v) / (G - 1) for v in values]
+
+
 def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
     """Broadcast each trajectory's advantage to all its planner turns (A_i^t = A_i).
 
@@ -160,24 +206,16 @@ def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
 
 
 def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_groups: int | None = None,
-              turn_scores: list | None = None, row_weight: str = "trajectory"):
+              turn_scores: list | None = None, row_weight: str = "trajectory", estimator: str = "grpo"):
     """(rows, groups): the training rows of what an update may use, and the trajectory
     indices of each group kept; sets each trajectory's advantage (None if left out).
     Copies of a query are consecutive, G to a group.
 
-    How credit reaches a turn (train.advantage_mode):
-      trajectory  the paper's: A_i over the group's rollouts, broadcast to every turn;
-      turn_rows   the official code's: the same broadcast A_i, with the group's mean and
-                  std taken over its turn rows (trajectory i counts T_i times): only the
-                  normalisation changes, never which turn gets what;
-      per_turn    each turn its own A_i^t = (s_i^t - mean) / (std + eps), from a score per
-                  planner turn (turn_scores[i][t], judge.TURN_SCORES), the mean and std over
-                  the group's turn rows; trajectory i's `advantage` is then the mean of its
-                  turns', the turns' own in `turn_advantages`.
-    How much each row weighs (train.row_weight): "trajectory", J's 1 / (Q' G_q T_i): each
-    kept query 1/Q', each of its G_q kept rollouts 1/G_q, split over its T_i turns (the
-    paper's averages; build_rows' 1 / (N T_i) when nothing is left out); or "turn",
-    1 / (Q' n_q) for the n_q turn rows of group q: a long trajectory weighs more.
+    The paper's case (the defaults): A_i over the group's rollouts (the paper's estimator,
+    or the one train.advantage names: ADVANTAGE_ESTIMATORS), broadcast to every
+    one of trajectory i's T_i turns, each row weighing 1 / (Q' G_q T_i) (J's averages:
+    each kept query 1/Q', each of its G_q kept rollouts 1/G_q, split over its T_i turns;
+    build_rows' 1 / (N T_i) when nothing is left out).
 
     A trajectory that is not usable (an infrastructure failure) is left out, and its group's
     advantages are normalised over the rollouts that remain: those are still independent
@@ -185,68 +223,75 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_gro
     paper's advantage for a group of that size. A group left with fewer than 2 is dropped
     whole: one rollout alone has A = R - mean = 0 and would bring only its KL term, on a
     query the others no longer weigh. n_groups: Q' when `trajs` are one rank's share of the
-    step (the groups kept on all ranks); by default the groups here."""
+    step (the groups kept on all ranks); by default the groups here.
+
+    The variants (train.advantage_mode, train.row_weight) are in other_credit and below."""
     groups = kept_groups(usable, G)
     Q_kept = len(groups) if n_groups is None else n_groups
     for tr in trajs:
         tr.advantage = None  # what is left out has none
     rows = []
     for g in groups:
-        turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # the turns with an action
-        if mode == "per_turn":
-            scores = [s for k in g for t, s in zip(trajs[k].turns, turn_scores[k]) if t.action_ids]
-            flat = iter(group_advantages(scores, len(scores)))  # over the group's turn rows
-            adv = {k: [next(flat) for _ in turns[k]] for k in g}
-            for k in g:
-                trajs[k].turn_advantages = adv[k]
-                trajs[k].advantage = sum(adv[k]) / len(adv[k]) if adv[k] else 0.0
-        else:
-            A = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
-            adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i broadcast to each of its T_i turns
-            for k, a in zip(g, A):
-                trajs[k].advantage = a
+        turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # the T_i turns with an action
+        A = estimator_named(estimator)([trajs[k].reward for k in g])  # A_i over the group's G_q rollouts
+        adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i^t = A_i for each of its T_i turns
+        for k, a in zip(g, A):
+            trajs[k].advantage = a
+        if mode != "trajectory":
+            adv = other_credit(trajs, g, turns, mode, turn_scores, estimator)
         n_rows = sum(len(ts) for ts in turns.values())
         for k in g:
-            weight = 1.0 / (Q_kept * len(g) * len(turns[k])) if row_weight == "trajectory" else 1.0 / (Q_kept * n_rows)
+            weight = 1.0 / (Q_kept * len(g) * len(turns[k]))  # 1/Q' * 1/G_q * 1/T_i
+            if row_weight == "turn":  # 1 / (Q' n_q) for the n_q turn rows of group q: a long trajectory weighs more
+                weight = 1.0 / (Q_kept * n_rows)
             rows += [TurnRow(t.prompt_ids, t.action_ids, t.logprobs, a, weight) for t, a in zip(turns[k], adv[k])]
     return rows, groups
+
+
+def other_credit(trajs, g: list[int], turns: dict, mode: str, turn_scores: list | None, estimator: str) -> dict:
+    """A_i^t for each turn of group g under the other credit choices (train.advantage_mode):
+      turn_rows  the official code's: the same broadcast A_i, with the group's mean and
+                 std taken over its turn rows (trajectory i counts T_i times): only the
+                 normalisation changes, never which turn gets what;
+      per_turn   each turn its own A_i^t = (s_i^t - mean) / (std + eps), from a score per
+                 planner turn (turn_scores[i][t], judge.TURN_SCORES), the mean and std over
+                 the group's turn rows (or the estimator's advantages over them); trajectory i's `advantage` is then the mean of its
+                 turns', the turns' own in `turn_advantages`."""
+    if mode == "turn_rows":
+        A = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
+        for k, a in zip(g, A):
+            trajs[k].advantage = a
+        return {k: [a] * len(turns[k]) for k, a in zip(g, A)}
+    if mode != "per_turn":
+        raise ValueError(f"advantage mode must be 'trajectory', 'turn_rows' or 'per_turn', not {mode!r}")
+    scores = [s for k in g for t, s in zip(trajs[k].turns, turn_scores[k]) if t.action_ids]
+    flat = iter(estimator_named(estimator)(scores))  # over the group's turn rows
+    adv = {k: [next(flat) for _ in turns[k]] for k in g}
+    for k in g:
+        trajs[k].turn_advantages = adv[k]
+        trajs[k].advantage = sum(adv[k]) / len(adv[k]) if adv[k] else 0.0
+    return adv
 
 
 # ----------------------------------------------------------------------------------------
 # Per-token log-probs of the sampled actions under the current weights
 
-def action_logits(model, rows: list[TurnRow], pad_id: int) -> torch.Tensor:
-    """The logits that predicted each action token: [n, La, V] for n rows and La the
-    longest action; row r's action fills the LAST |a_r| columns, like its tokens in the
-    sequence. (The plain path; token_logprobs' fast path never makes this tensor.)
-
-    Every row is prompt + action, the rows left-padded into one batch, one forward; pads
-    are masked out and skipped by the position ids. The logits at position p predict
-    token p+1, so the last La+1 positions cover every action."""
-    dev = next(model.parameters()).device
-    seqs = [r.prompt_ids + r.action_ids for r in rows]
-    La = max(len(r.action_ids) for r in rows)
-    ids, mask = left_padded(seqs, max(map(len, seqs)), pad_id, dev)  # [n, S] each
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n, S] each token's position in its own sequence
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=La + 1).logits
-    return logits[:, :-1, :]  # [n, La, V]
-
-
-def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, fast: bool = True,
-                   chunk: int = LOGITS_CHUNK):
+def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, chunk: int = LOGITS_CHUNK):
     """log pi(a_ij | prompt, a_i<j) for every action token of every row, under exactly the
-    distribution the sampler drew it from (agentflow.LLM.sample with `sampling`):
+    distribution the sampler drew it from (engine.LLM.sample with `sampling`):
     softmax(logits / T_j) over the full vocabulary in float32, T_j =
     sampling.temperature_at(j), and for j = 0 with `first_tokens` (the planner's tool
     constraint) the softmax over those ids alone.
 
     Returns (logp [n, La], entropy [n, La] of that distribution, no gradient, mask [n, La]:
-    1 on action tokens), laid out as in action_logits.
+    1 on action tokens), La the longest action, row i's action in its LAST |a_i| columns.
 
-    The plain path (fast=False) is written out below: the [n, La, V] logits of
-    action_logits, then log_softmax. fast=True gets the same numbers from the speed work
-    (support/speed.py) without ever holding [n, La, V]: text the rows share runs once,
-    and the output layer runs `chunk` positions at a time."""
+    Every row is prompt + action. engine.prefill runs them through the decoder as the
+    sampler's prefill does, so text the rows share runs once (the module's instructions
+    for every row, the whole prompt for the G actions sampled from it), and returns the
+    hidden state at each position that predicts an action token. The output layer then
+    runs `chunk` positions at a time (ChunkedLogprobs): [n, La, V] logits in float32
+    would be the largest tensor of the update with a 152k vocabulary."""
     dev = next(model.parameters()).device
     n, La = len(rows), max(len(r.action_ids) for r in rows)
     mask = torch.zeros((n, La), dtype=torch.float32, device=dev)  # [n, La]
@@ -258,20 +303,24 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     first = bool(sampling.first_tokens) or sampling.first_temperature > 0  # token 0 has its own distribution
     r = torch.arange(n, device=dev)  # [n]
     c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
-    if fast:  # token 0 is left at 0 there when `first`: it is scored below
-        logp, entropy, z0 = speed.action_logprobs(model, [row.prompt_ids + row.action_ids for row in rows],
-                                                  [len(row.prompt_ids) for row in rows], pad_id, targets, mask,
-                                                  T, chunk, first_cols=c if first else None)
-    else:
-        logits = action_logits(model, rows, pad_id).float()  # [n, La, V]
-        logp_all = torch.log_softmax(logits / T, dim=-1)  # [n, La, V]
-        logp = logp_all.gather(-1, targets[..., None])[..., 0]  # [n, La]
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n, La]
-        z0 = logits[r, c] if first else None  # [n, V] the logits of each action's token 0
+    # The logits at position p predict token p+1: the last La+1 positions cover every action.
+    h, _ = prefill(model, [row.prompt_ids + row.action_ids for row in rows], pad_id, None, La + 1,
+                   [len(row.prompt_ids) - 1 for row in rows], hidden=True)
+    h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
+    scored = mask.bool()  # [n, La] the positions scored at temperature T (token 0 below when `first`)
+    if first:
+        scored[r, c] = False
+    at = scored.nonzero(as_tuple=True)
+    head = model.get_output_embeddings()
+    if at[0].numel():
+        lp, ent = ChunkedLogprobs.apply(h[at], head.weight, head.bias, targets[at], T, max(1, chunk))  # [M] each
+    else:  # nothing scored at T (one-token actions): keep the graph for the backward
+        lp = ent = h.new_zeros(0, dtype=torch.float32) + h.sum() * 0
+    logp = torch.zeros((n, La), device=dev).index_put(at, lp)  # [n, La]
+    entropy = torch.zeros((n, La), device=dev).index_put(at, ent.detach())
     if first:
         # Token 0 of each action: its own temperature and the tool restriction.
-        z0 = z0 / sampling.temperature_at(0)  # [n, V] logits / T_0
+        z0 = head(h[r, c]).float() / sampling.temperature_at(0)  # [n, V] logits / T_0
         if sampling.first_tokens:
             allowed = torch.tensor(sampling.first_tokens, device=dev)
             norm = z0[:, allowed]  # [n, k] the softmax runs over the allowed ids only
@@ -286,12 +335,77 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     return logp * mask, entropy.detach() * mask, mask
 
 
+class ChunkedLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] and the entropy of that softmax, for positions h
+    [M, d], computed `chunk` positions at a time, so that no more than [chunk, V] logits
+    ever exist. Backward recomputes each chunk's logits: with z = h W^T / T and
+    p = softmax(z), d log p[target] / d z = onehot(target) - p, so
+        d h = ((onehot - p) * g / T) @ W,    d W = ((onehot - p) * g / T)^T @ h,
+    for g the incoming gradient of each position's log-prob. The logits are computed as
+    nn.Linear does, in the model's dtype, then cast to float32 (as the plain path's
+    `.float()`); the gradient goes back through that cast as autograd's would, rounded to
+    the model's dtype before the two products. d W is summed over chunks in float32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature: float, chunk: int):
+        M = h.shape[0]
+        logp = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
+        entropy = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
+        for start in range(0, M, chunk):
+            end = start + chunk
+            z = F.linear(h[start:end], weight, bias).float() / temperature  # [c, V]
+            log_p = torch.log_softmax(z, dim=-1)  # [c, V]
+            logp[start:end] = log_p.gather(-1, targets[start:end, None])[:, 0]
+            entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+        ctx.save_for_backward(h, weight, bias, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        h, weight, bias, targets = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h) if want_h else None  # [M, d]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None  # [V, d]
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None  # [V]
+        if g_logp is None:
+            g_logp = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            end = start + chunk
+            h_chunk, target, g = h[start:end], targets[start:end], g_logp[start:end]
+            z = F.linear(h_chunk, weight, bias).float() / T  # [c, V] recomputed
+            dz = torch.softmax(z, dim=-1) * -g[:, None]  # [c, V] -p * g
+            dz.scatter_add_(-1, target[:, None], g[:, None])  # (onehot - p) * g
+            d_logits = (dz / T).to(h.dtype)  # [c, V] through z = logits / T and the float cast
+            if want_h:
+                grad_h[start:end] = d_logits @ weight  # [c, d]
+            if want_w:
+                grad_w += (d_logits.t() @ h_chunk).float()  # [V, d]
+            if want_b:
+                grad_b += d_logits.float().sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if want_w else None, grad_b.to(bias.dtype) if want_b else None,
+                None, None, None)
+
+
 # ----------------------------------------------------------------------------------------
 # The loss
 
 # verl's clamps of the k3 estimator ("low_var_kl"): see k3_kl.
 KL_LOG_RATIO_MAX = 20.0
 KL_MAX = 10.0
+
+
+def frozen_reference(model, trainable: list) -> torch.nn.Module:
+    """pi_ref, the frozen initial weights, for the KL term below (and the frozen executor,
+    verifier and generator). It SHARES every weight the policy does not train (one copy
+    in memory: with train_layers 8 of Qwen2.5-7B's 28 blocks that is ~11 GB not
+    duplicated) and owns copies of the trained ones only, which keep their initial
+    values while the policy's move."""
+    trained = {id(p) for p in trainable}
+    shared = {id(p): p for p in model.parameters() if id(p) not in trained}  # deepcopy's memo: kept as is
+    return copy.deepcopy(model, shared).requires_grad_(False)
 
 
 def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -422,7 +536,7 @@ def micro_batches(rows: list[TurnRow], micro_batch: int, max_tokens: int = 0) ->
 
 def accumulate_gradients(model, ref_model, rows: list[TurnRow], sampling: SamplingParams, loss_cfg: LossConfig,
                          pad_id: int, *, micro_batch: int = 16, max_tokens: int = 0, scale: float = 1.0,
-                         old: list[torch.Tensor] | None = None, fast: bool = True, chunk: int = LOGITS_CHUNK) -> dict:
+                         old: list[torch.Tensor] | None = None, chunk: int = LOGITS_CHUNK) -> dict:
     """Backward of `scale` * (-J) over `rows`, in micro_batches(rows, micro_batch, max_tokens).
 
     old: log pi_old per row (its action's log-probs), or None: pi_old is this forward at
@@ -436,9 +550,9 @@ def accumulate_gradients(model, ref_model, rows: list[TurnRow], sampling: Sampli
           "entropy": 0.0, "gap_max": 0.0, "gap_sum": 0.0}
     for idx in micro_batches(rows, micro_batch, max_tokens):
         part = [rows[i] for i in idx]
-        logp, entropy, mask = token_logprobs(model, part, sampling, pad_id, fast, chunk)  # [n, La]
+        logp, entropy, mask = token_logprobs(model, part, sampling, pad_id, chunk)  # [n, La]
         with torch.no_grad():
-            ref_logp = (token_logprobs(ref_model, part, sampling, pad_id, fast, chunk)[0]
+            ref_logp = (token_logprobs(ref_model, part, sampling, pad_id, chunk)[0]
                         if loss_cfg.beta else logp.detach())  # [n, La]
         old_logp = logp.detach() if old is None else _pad_left([old[i] for i in idx], mask.shape[1], dev)  # [n, La]
         adv = torch.tensor([r.advantage for r in part], device=dev)  # [n]
@@ -467,7 +581,7 @@ def sampler_gap(logp: torch.Tensor, mask: torch.Tensor, rows: list[TurnRow]) -> 
 
 @torch.no_grad()
 def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, *, micro_batch: int = 16,
-                 max_tokens: int = 0, fast: bool = True, chunk: int = LOGITS_CHUNK) -> tuple[list[torch.Tensor], dict]:
+                 max_tokens: int = 0, chunk: int = LOGITS_CHUNK) -> tuple[list[torch.Tensor], dict]:
     """log pi_old of every row's action, from the trainer's forward without gradient, in
     micro_batches(rows, ...): the caller passes the rows in the order and grouping its
     first gradient pass will use, so that pass computes these very numbers again and its
@@ -475,7 +589,7 @@ def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: i
     old, gap = [None] * len(rows), [0.0, 0.0]
     for idx in micro_batches(rows, micro_batch, max_tokens):
         part = [rows[i] for i in idx]
-        logp, _, mask = token_logprobs(model, part, sampling, pad_id, fast, chunk)  # [n, La]
+        logp, _, mask = token_logprobs(model, part, sampling, pad_id, chunk)  # [n, La]
         for j, i in enumerate(idx):
             old[i] = logp[j, mask.shape[1] - len(rows[i].action_ids):].clone()  # [|a_i|]
         g = sampler_gap(logp, mask, part)
@@ -505,7 +619,7 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
     if not sum(world.all_gather(len(rows))):
         return dict(NO_UPDATE)
     E, K = update.epochs, update.minibatches
-    batching = {"micro_batch": update.micro_batch, "max_tokens": update.max_tokens, "fast": update.fast,
+    batching = {"micro_batch": update.micro_batch, "max_tokens": update.max_tokens,
                 "chunk": update.chunk}
     gen = torch.Generator().manual_seed(seed)  # the mini-batch order: the same on every rank
     split = world.minibatches(len(rows), K, gen)  # this rank's rows of each mini-batch of the first epoch
@@ -530,7 +644,7 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
             if epoch == 0 and mb == 0:
                 ratio_dev_first = st["ratio_dev"]  # 0: the first step is exactly on-policy
                 gap = gap or {k: st[k] for k in ("gap_max", "gap_sum")}  # one update: measured in this pass
-            grad_norm += optimizer.step(update.max_grad_norm, world.sum_grads if world.size > 1 else None)
+            grad_norm += optimizer_step(optimizer, update.max_grad_norm, world)
             for key in totals:
                 totals[key] += st[key]
     # The whole batch's figures (grad_norm is already: the gradients were summed over ranks).
@@ -543,6 +657,21 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
             "logprob_gap": peaks["gap_max"], "logprob_gap_mean": totals["gap_sum"] / max(n_tok / E, 1.0),
             "ratio_dev_first_step": peaks["ratio_dev"],
             "planner_tokens": int(n_tok / E), "optimizer_steps": n_steps}
+
+
+def optimizer_step(optimizer, max_grad_norm: float, world=SINGLE) -> float:
+    """One optimizer step of `optimizer` (a support.optim.PlannerOptimizer) on the gradients
+    accumulated so far; returns their norm before clipping. Its four actions:"""
+    stepped = optimizer.stepped  # the trained weights, or their fp32 masters for bf16 weights (support/optim.py)
+    if world.size > 1:
+        world.sum_grads(stepped)  # several processes: the whole batch's gradient, the same on every rank
+    norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))  # 1. clip to max_grad_norm
+    optimizer.adamw.step()  # 2. AdamW, in fp32
+    optimizer.copy_back()  # 3. the fp32 masters rounded into the weights the sampler and the trainer use
+    optimizer.schedule.step()  # 4. the learning rate's warmup
+    # Freed now, not at the next step's start: they would sit in memory through the next rollout.
+    optimizer.adamw.zero_grad(set_to_none=True)
+    return norm
 
 
 def _pad_left(values: list, width: int, dev) -> torch.Tensor:

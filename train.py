@@ -41,7 +41,6 @@ the policy's frozen part), which also run the executor, verifier and generator.
 """
 
 import json
-import os
 import random
 import sys
 import time
@@ -50,17 +49,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from agentflow import LLM, AgentSystem, agent_config
+from agentflow import AgentSystem, agent_config
+from engine import LLM
 from eval import check_run, evaluate
-from flow_grpo import LossConfig, UpdateConfig, kept_groups, kept_rows, policy_update
+from flow_grpo import LossConfig, UpdateConfig, frozen_reference, kept_groups, kept_rows, policy_update
 from judge import Judge, Reward, turn_scorer
 from support import ranks
 from support.checkpoints import export_model, resume, save_checkpoint
 from support.config import ConfigError, load_config
 from support.datasets import load_benchmark
-from support.device_memory import PlanError, plan_for
+from support.device_memory import PlanError, plan_for, use_expandable_segments
 from support.models import load_model, planner_name
-from support.optim import PlannerOptimizer, frozen_reference, select_trainable
+from support.optim import PlannerOptimizer, select_trainable
 from support.provenance import note_run, record_run
 from support.run_log import (append_metrics, engine_counters, print_learning_table, refresh_report, step_metrics,
                              write_trajectories)
@@ -73,6 +73,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__.split("\n\n")[1])
         return 2
+    use_expandable_segments()  # before the plan or anything else touches CUDA
     plan_only = "--plan" in argv
     argv = [a for a in argv if a != "--plan"]
     try:
@@ -90,9 +91,6 @@ def main(argv: list[str]) -> int:
         for line in str(e).splitlines():
             print(f"config error: {line}", file=sys.stderr)
         return 2
-    # Fewer, larger blocks of GPU memory: the plan's slack assumes the allocator can reuse
-    # freed cache and activations for tensors of other sizes (no effect on a CPU).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         run(cfg)
     except ConfigError as e:  # what only the model's tokenizer can show (agentflow.tool_first_tokens)
@@ -136,22 +134,21 @@ def run(cfg: dict) -> dict:
     # model.planner gives the planner a model of its own). The reference shares the
     # policy's frozen weights and copies only the trained ones.
     m = cfg["model"]
-    with world.local_first():  # the default model's one-time conversion, the decode way: once per machine
+    with world.local_first():  # the default model's one-time conversion: once per machine
         model, tok = load_model(planner_name(m), m["device"], m["dtype"])
         params = select_trainable(model, t["train_layers"])
         ref = frozen_reference(model, params)
         modules = ref if planner_name(m) == m["name"] else load_model(m["name"], m["device"], m["dtype"])[0]
         planner, frozen = LLM(model, tok), LLM(modules, tok)
-    world.agree_decode([planner, frozen])  # a run's sample path depends on it: run.json says which
-    if world.main:
-        note_run(out, provenance, decode=planner.decode_name)
     for llm in (planner, frozen):  # the sampler's sub-batches and prefill forwards stay inside the plan
         llm.sub_batch_bytes, llm.prefill_tokens = plan.sub_batch_bytes, plan.prefill_tokens
     # AdamW, through fp32 masters for bf16 weights; the warmup counts optimizer steps.
     optimizer = PlannerOptimizer(params, t["lr"], t["weight_decay"], t["warmup_steps"] * t["epochs"] * t["minibatches"])
-    agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
-    judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     reward = Reward.from_config(cfg["reward"])  # R: the judge's verdict, with other terms if reward.terms says
+    agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))  # after reward.modules: views of one's own
+    if world.main:
+        (out / "prompts.json").write_text(json.dumps(agent.system_prompts(), indent=1) + "\n")
+    judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     train_items = load_benchmark(cfg["data"]["train"])
     heldout = load_benchmark(cfg["data"]["heldout"], limit=e["limit"] or None)
     # The paraphrase set (data.paraphrase): held-out entities in wordings no other file uses,
@@ -248,7 +245,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
     if t["advantage_mode"] == "per_turn":
         score = turn_scorer(t["turn_score"])
         scores = [score(tr, my_queries[k // G], verdicts[k]) if usable[k] else None for k, tr in enumerate(trajs)]
-    rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups, scores, t["row_weight"])
+    rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups, scores, t["row_weight"], t["advantage"])
 
     # 5. Update on planner tokens only, scored under the very SamplingParams the planner
     #    sampled with (temperatures, tool restriction), with pi_old from the trainer's own

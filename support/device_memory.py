@@ -8,7 +8,7 @@ and refuses, before any weight is loaded, a plan that cannot fit `model.memory_g
 naming the knob to turn. The plan also sets what keeps the run inside it:
 
   * the sampler runs its rows in sub-batches, each sub-batch's KV cache and decode logits within
-    `Plan.sub_batch_bytes` (agentflow.LLM.sample), its prefill forwards within
+    `Plan.sub_batch_bytes` (engine.LLM.sample), its prefill forwards within
     `model.prefill_tokens` tokens;
   * an update's micro-batch holds at most `Plan.update_tokens` tokens (rows x longest
     sequence, flow_grpo.micro_batches).
@@ -28,17 +28,36 @@ Simplified: no activation checkpointing, no CPU offload; under torchrun each ran
 device holds a whole plan (replicas, not shards), for its share of the rollouts.
 """
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from support import speed
+from support.batching import layout, unique_prompts
+
+def use_expandable_segments() -> None:
+    """Fewer, larger blocks of GPU memory, which the allocator can reuse for tensors of
+    other sizes: what the plan's slack assumes. torch reads the setting when CUDA starts,
+    so the entry points call this first, before anything (the plan itself) touches CUDA;
+    a user's own PYTORCH_CUDA_ALLOC_CONF wins. No effect on a CPU."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 
 GB = 1e9  # model.memory_gb counts in GB of 10^9 bytes, as GPU memory is sold
 # Bytes per vocabulary entry and row of one decode step: the logits in the model's dtype
 # and in float32, the log-softmax and its exp, the float64 running sum of the draw.
 DECODE_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8
+
+
+def graph_bytes_per_row(vocab: int, heads: int, intermediate: int, itemsize: int, capacity: int) -> int:
+    """On CUDA the decode step is replayed as a CUDA graph (engine.GraphStep), whose private
+    memory pool keeps one step's tensors alive for each of its rows: its logits [V] and the
+    bias over the cache's `capacity` positions in the model's dtype, the MLP's three
+    intermediates, and attention scores over the capacity in float32 per query head (the
+    bound where attention materialises them). One pool per sub-batch at a time: a new
+    graph replaces the sub-batch's old one."""
+    return (vocab + capacity + 3 * intermediate) * itemsize + heads * capacity * 4
 
 
 @dataclass
@@ -96,8 +115,8 @@ class Plan:
     resident: float = 0.0
     sampler: float = 0.0  # one sub-batch, at the provisioned lengths
     update: float = 0.0
-    sub_batch_bytes: int | None = None  # agentflow.LLM.sub_batch_bytes: a sub-batch's cache + decode logits
-    prefill_tokens: int | None = None  # agentflow.LLM.prefill_tokens
+    sub_batch_bytes: int | None = None  # engine.LLM.sub_batch_bytes: a sub-batch's cache + decode logits + graph pool
+    prefill_tokens: int | None = None  # engine.LLM.prefill_tokens
     update_tokens: int = 0  # flow_grpo.micro_batches' max_tokens (0 = no cap)
     rows_per_sub_batch: int = 0
     micro_batch: int = 0  # the update's rows per forward this plan was made for (train.micro_batch)
@@ -217,6 +236,9 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     rows_of = [shape] + ([frozen] if frozen is not None else [])  # the sampler runs both
     row_kv = (max_prompt + max_new) * max(m.kv_bytes_per_token(s) for m in rows_of)
     row_decode = max(m.vocab for m in rows_of) * DECODE_BYTES_PER_LOGIT
+    if device == "cuda":  # the decode step's graph pool (engine.GraphStep)
+        row_decode += max(graph_bytes_per_row(m.vocab, m.heads, m.intermediate, s, max_prompt + max_new)
+                          for m in rows_of)
     cap = prefill_tokens if budget is not None else None
     prefill = 0.0
     if cap:
@@ -302,26 +324,33 @@ def kv_bytes_per_token(config, itemsize: int) -> int:
 
 
 def sampler_sub_batches(prompts: list[list[int]], max_new: int, budget: int | None, model) -> list[range]:
-    """The sampler's rows in consecutive runs whose KV cache (laid out as the fast prefill
-    lays them out, at its final size: an upper bound on the plain prefill's) and decode
-    logits fit `budget` bytes (Plan.sub_batch_bytes); at least one row each, all rows at
+    """The sampler's rows in consecutive runs whose KV cache (laid out as engine.prefill
+    lays them out, at its final size), decode logits and, on CUDA, decode graph pool fit
+    `budget` bytes (Plan.sub_batch_bytes); at least one row each, all rows at
     once without a budget. Consecutive: the G rollouts of a query stay together and share
     their text."""
     n = len(prompts)
     if budget is None:
         return [range(n)]
-    per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    param = next(model.parameters())
+    per_token = kv_bytes_per_token(model.config, param.element_size())
     per_row = model.config.vocab_size * DECODE_BYTES_PER_LOGIT
+    graph = lambda capacity: 0
+    if param.device.type == "cuda":  # the decode step's graph pool (engine.GraphStep)
+        c = model.config
+        inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+        graph = lambda capacity: graph_bytes_per_row(c.vocab_size, c.num_attention_heads, inter,
+                                                     param.element_size(), capacity)
 
-    def cost(rows: range) -> int:  # the sub-batch's cache and decode logits, in bytes
-        unique = speed.unique_prompts([prompts[i] for i in rows])[0]
-        width = speed.layout(unique, [len(p) - 1 for p in unique]).width
-        return len(rows) * ((width + max_new) * per_token + per_row)
+    def cost(rows: range) -> int:  # the sub-batch's cache, decode logits and graph pool, in bytes
+        unique = unique_prompts([prompts[i] for i in rows])[0]
+        width = layout(unique, [len(p) - 1 for p in unique]).width
+        return len(rows) * ((width + max_new) * per_token + per_row + graph(width + max_new))
 
     out, start = [], 0
     while start < n:
         longest = max(len(p) for p in prompts[start:])  # the width is at least this
-        k = max(1, min(n - start, budget // ((longest + max_new) * per_token + per_row)))
+        k = max(1, min(n - start, budget // ((longest + max_new) * per_token + per_row + graph(longest + max_new))))
         while k > 1 and cost(range(start, start + k)) > budget:
             k = max(1, min(k - 1, k * budget // cost(range(start, start + k))))
         out.append(range(start, start + k))

@@ -146,7 +146,7 @@ class _Answering:
         return self.llm.chat_ids(*a, **k)
 
     def sample(self, prompts, params, seed, **k):
-        from agentflow import Sample
+        from engine import Sample
         self.calls.append(([self.tok.decode(p) for p in prompts], params))
         tid = self.tok.encode(self.word, add_special_tokens=False)[0]
         return [Sample([tid], [0.0], self.word, "length") for _ in prompts]
@@ -198,7 +198,7 @@ def test_shipped_check_on_questions_in_new_wordings(default_model_path):
     one that must still be computed with continues, a failed search continues; and the
     general prompt stops after code on an arithmetic question. A frozen model is
     imperfect: the bar is 5 of 6 (4 of 6 for the questions that continue)."""
-    from agentflow import LLM
+    from engine import LLM
     from support.models import load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok))
@@ -238,7 +238,7 @@ def test_shipped_check_on_the_paraphrase_wordings(default_model_path):
     question continues. These are the wordings it gets right on every passage here and on
     the set (python -m scripts.probe_tools --benchmark data/paraphrase.jsonl --check); the
     ones it gets wrong are the next test's."""
-    from agentflow import LLM
+    from engine import LLM
     from support.models import load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok))
@@ -260,7 +260,7 @@ def test_shipped_check_on_paraphrase_wordings_it_gets_wrong(default_model_path):
     """Two_step wordings where the frozen check says nothing remains after the search: the
     factor before the quantity with no verb of multiplying ("the product of 7 and ...",
     "What number is 4 times ..."), and one that ends in "multiplied by 7, please"."""
-    from agentflow import LLM
+    from engine import LLM
     from support.models import load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok))
@@ -294,7 +294,8 @@ def test_executor_copies_a_looked_up_number_into_code(default_model_path):
     holds a passage with two numbers, and the code must multiply the right one by the
     question's factor. Wordings and passages unlike the worked examples. A frozen 135M model
     is imperfect: the bar is half of them (with only the arithmetic example, 1 of 6)."""
-    from agentflow import LLM, Plan
+    from agentflow import Plan
+    from engine import LLM
     from support.models import load_model
     model, tok = load_model(default_model_path)
     agent = make_agent(LLM(model, tok), code_start="print(", **{"executor.max_new_tokens": 24})
@@ -325,19 +326,19 @@ def test_planner_reads_the_memory_as_what_each_step_found(tiny_llm):
     tr = _after("Local_Search", "Orsk: a town of 900 people.", "Double the population of Orsk.")
     tr.memory.add("compute", "Python_Coder", "print(900 * 2)", "", "line 1: NameError: name 'x' is not defined")
     tr.memory.add("?", "", "", "", "no known tool in the plan")
-    assert agent.planner_view(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
+    assert agent.view(tr.memory, agent.tools) == ("- a search found: Orsk: a town of 900 people.\n"
                                        "- code printed: line 1: NameError: name 'x' is not defined\n"
                                        "- a step without a tool gave: no known tool in the plan")
     # v^t is part of M^{t+1}: a turn the verifier continued says what it found still open,
     # in the words of the tool's check, or in general words after a tool without one.
     tr.memory.records[0].verdict, tr.memory.records[1].verdict = "continue", "continue"
     tr.memory.records[2].verdict = "stop"
-    assert agent.planner_view(tr.memory) == ("- a search found: Orsk: a town of 900 people.\n"
+    assert agent.view(tr.memory, agent.tools) == ("- a search found: Orsk: a town of 900 people.\n"
                                        "- the check said: a calculation is still needed\n"
                                        "- code printed: line 1: NameError: name 'x' is not defined\n"
                                        "- the check said: the question is not answered yet\n"
                                        "- a step without a tool gave: no known tool in the plan")
-    assert agent.planner_view(_after("Local_Search", "", "q").memory.__class__(800, 300)) == "- nothing yet"
+    assert agent.view(_after("Local_Search", "", "q").memory.__class__(800, 300), agent.tools) == "- nothing yet"
     agent.stop_token, agent.check_system = -1, {}  # the verifier never stops: two turns
     trajs = agent.rollout(["Compute 48213 * 9127."], seed=1)
     second = tiny_llm.tok.decode(trajs[0].turns[1].prompt_ids)

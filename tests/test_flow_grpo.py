@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from agentflow import LLM, PlannerTurn, SamplingParams, Trajectory
+from agentflow import PlannerTurn, Trajectory
+from engine import LLM, SamplingParams
 from flow_grpo import (LossConfig, TurnRow, accumulate_gradients, build_rows, flow_grpo_loss, group_advantages,
                        reference_objective, token_logprobs)
 from memory import Memory
@@ -108,10 +109,10 @@ def test_batched_loss_and_gradient_equal_naive_loop(policy, estimator):
     llm.model.zero_grad()
     (-J).backward()
     g_naive = grads(llm.model)
-    for fast in (True, False):  # the fast path (chunked log-probs) and the plain one
+    for chunk in (5, 1024):  # chunks of 5 positions: several per batch; one chunk
         llm.model.zero_grad()
         st = accumulate_gradients(llm.model, ref, rows, SAMPLING, cfg, llm.pad_id, micro_batch=64, old=old,
-                                  fast=fast, chunk=5)  # chunks of 5 positions: several per batch
+                                  chunk=chunk)
         assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
         assert st["clip_frac"] > 0  # the perturbation made clipping active somewhere
         assert_grads_close(grads(llm.model), g_naive)
@@ -140,9 +141,9 @@ def test_zero_variance_groups_give_zero_policy_gradient(policy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_path_gradient_is_bit_exact_run_to_run(policy, dtype):
-    """The G actions sampled from one planner state share its keys and values in the fast
-    path, so that entry's gradient is a sum over rows. With two threads, the same backward
+def test_shared_text_gradient_is_bit_exact_run_to_run(policy, dtype):
+    """The G actions sampled from one planner state share its keys and values in
+    token_logprobs' prefill, so that entry's gradient is a sum over rows. With two threads, the same backward
     three times must give the same gradients bit for bit (reading the entry with repeated
     indices, k[idx], did not: its backward adds with atomic float adds, in thread order)."""
     llm, _ = policy
@@ -161,7 +162,7 @@ def test_fast_path_gradient_is_bit_exact_run_to_run(policy, dtype):
         runs = []
         for _ in range(3):
             model.zero_grad(set_to_none=True)
-            logp, _, mask = token_logprobs(model, rows, SAMPLING, llm.pad_id, fast=True)  # [16, La] each
+            logp, _, mask = token_logprobs(model, rows, SAMPLING, llm.pad_id)  # [16, La] each
             (-(logp * mask).sum(-1) * adv).sum().backward()  # a REINFORCE-shaped loss: -sum_i A_i log pi(a_i)
             runs.append(grads(model))
     finally:
@@ -171,8 +172,7 @@ def test_fast_path_gradient_is_bit_exact_run_to_run(policy, dtype):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_only_action_tokens_get_gradient(policy, fast):
+def test_only_action_tokens_get_gradient(policy):
     """d(-J)/d h is exactly zero at every position whose hidden state h (the final norm's
     output, what the output layer reads) does not score an action token."""
     llm, ref = policy
@@ -186,14 +186,14 @@ def test_only_action_tokens_get_gradient(policy, fast):
 
     hook = llm.model.model.norm.register_forward_hook(keep)
     try:
-        logp, _, mask = token_logprobs(llm.model, rows, SAMPLING, llm.pad_id, fast)
+        logp, _, mask = token_logprobs(llm.model, rows, SAMPLING, llm.pad_id)
     finally:
         hook.remove()
     loss, _ = flow_grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([r.advantage for r in rows]),
                              torch.tensor([r.weight for r in rows]), mask, LossConfig(EPS_LO, EPS_HI, 0.0))
     loss.backward()
     # Positions whose hidden state received a gradient, over every forward that ran with
-    # gradient (one on the plain path; the row groups on the fast path).
+    # gradient (the prefix, the shared parts, the batches of rests).
     got = sum(int((o.grad.abs().sum(-1) > 0).sum()) for o in outputs if o.grad is not None)
     assert (mask == 0).any(), "some rows must be shorter than the longest action"
     assert got == int(mask.sum()), "exactly one position per action token has a gradient"
@@ -256,6 +256,37 @@ def test_kl_is_zero_at_reference_and_its_gradient_matches_finite_differences(pol
     assert abs(analytic) > 1e-6
 
 
+def full_sequence_logprobs(model, rows, sampling, mask) -> torch.Tensor:
+    """The reference for token_logprobs: each row's whole sequence through the model's own
+    forward, alone (no cache, no padding, no shared text), its action tokens scored by
+    flow_grpo._logprob: [n, La] laid out as token_logprobs lays them out."""
+    from flow_grpo import _logprob
+
+    out = torch.zeros(mask.shape)
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            logits = model(torch.tensor([r.prompt_ids + r.action_ids])).logits[0].float()  # [S, V]
+            for j, t in enumerate(r.action_ids):
+                out[i, mask.shape[1] - len(r.action_ids) + j] = _logprob(logits[len(r.prompt_ids) - 1 + j], t, j,
+                                                                           sampling)
+    return out
+
+
+def test_bf16_logprobs_are_those_of_a_full_sequence_forward(bf16_policy):
+    """In bfloat16 the trainer's log-probs (shared text once, rows in batches, the output
+    layer in chunks) against the model's own forward over each whole sequence in bfloat16:
+    two summation orders of the same bf16 arithmetic. Bound: 0.1 nats, a few bf16
+    roundings (2^-8 relative) of logits of magnitude ~10; a wrong position or temperature
+    is off by whole nats."""
+    llm16 = bf16_policy[0]
+    rows = build_rows(make_trajectories(llm16, 2, 3, seed=4), [0.0] * 6)
+    with torch.no_grad():
+        logp, _, mask = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id, chunk=5)
+    ref = full_sequence_logprobs(llm16.model, rows, SAMPLING, mask)
+    gap = float((logp - ref).abs().max())
+    assert 0 < gap < 0.1, gap  # 0 would mean bf16 never ran
+
+
 def test_trainer_logprobs_equal_sampler_logprobs(tiny_llm):
     allowed = tuple(sorted(tiny_llm.tok.encode(" " + n, add_special_tokens=False)[0]
                            for n in ("Python_Coder", "Local_Search", "Base_Generator")))
@@ -268,10 +299,9 @@ def test_trainer_logprobs_equal_sampler_logprobs(tiny_llm):
         sampling = SamplingParams(TEMP, 8, first_tokens=first, first_temperature=t_first)
         with torch.no_grad():
             logp, _, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id)
-            slow = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, fast=False)[0]
             plain = token_logprobs(tiny_llm.model, rows, SamplingParams(TEMP, 8, first_tokens=first),
                                    tiny_llm.pad_id)[0]
-        assert float((logp - slow).abs().max()) < 1e-4  # the fast path is the plain path
+        assert float((logp - full_sequence_logprobs(tiny_llm.model, rows, sampling, mask)).abs().max()) < 1e-4
         for i, r in enumerate(rows):
             got = logp[i, mask.shape[1] - len(r.action_ids):].tolist()
             assert max(abs(a - b) for a, b in zip(got, r.sampler_logprobs)) < 1e-4
@@ -319,12 +349,11 @@ def test_reference_objective_scores_a_first_temperature(policy, first):
     llm.model.zero_grad()
     (-J).backward()
     g_naive = grads(llm.model)
-    for fast in (True, False):
-        llm.model.zero_grad()
-        st = accumulate_gradients(llm.model, ref, rows, sampling, cfg, llm.pad_id, fast=fast)
-        assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
-        assert st["gap_max"] < 1e-4  # the sampler drew token 0 from the distribution scored here
-        assert_grads_close(grads(llm.model), g_naive)
+    llm.model.zero_grad()
+    st = accumulate_gradients(llm.model, ref, rows, sampling, cfg, llm.pad_id)
+    assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
+    assert st["gap_max"] < 1e-4  # the sampler drew token 0 from the distribution scored here
+    assert_grads_close(grads(llm.model), g_naive)
 
 
 @pytest.mark.parametrize("estimator, direction", [("k3", "forward"), ("k2", "reverse")])
@@ -403,11 +432,10 @@ def bf16_policy(policy):
 
 
 def test_bf16_loss_and_gradient_match_the_fp32_reference(bf16_policy):
-    """The batched loss in bf16 (fast and plain paths) against J in float32 on the same
-    weights. Tolerance: bf16 keeps 8 significant bits (a relative rounding of up to 2^-9
-    per operation); through the layers, the softmax and, on the fast path, the bf16 sum of
-    the gradients of every row that shares a prefix, the gradient agrees with the fp32 one
-    to ~1% (plain) and ~3-4% (fast) in norm, with cosine > 0.999. The bound 8% leaves
+    """The batched loss in bf16 against J in float32 on the same weights. Tolerance: bf16
+    keeps 8 significant bits (a relative rounding of up to 2^-9 per operation); through
+    the layers, the softmax and the bf16 sum of the gradients of every row that shares a
+    prefix, the gradient agrees with the fp32 one to ~3-4% in norm, with cosine > 0.999. The bound 8% leaves
     room for other seeds; a wrong term (a token weight, a sign, the KL) is off by O(1)."""
     llm16, r16, m32, r32 = bf16_policy
     trajs = make_trajectories(llm16, 2, 3, seed=0)
@@ -417,24 +445,22 @@ def test_bf16_loss_and_gradient_match_the_fp32_reference(bf16_policy):
     J = reference_objective(m32, r32, trajs, adv, SAMPLING, cfg)
     (-J).backward()
     g32 = torch.cat([p.grad.flatten() for p in m32.parameters()])
-    for fast in (True, False):
-        llm16.model.zero_grad()
-        st = accumulate_gradients(llm16.model, r16, rows, SAMPLING, cfg, llm16.pad_id, fast=fast, chunk=7)
-        g16 = torch.cat([p.grad.float().flatten() for p in llm16.model.parameters()])
-        assert float((g16 - g32).norm() / g32.norm()) < 0.08, fast
-        assert float((g16 @ g32) / (g16.norm() * g32.norm())) > 0.995
-        assert st["loss"] == pytest.approx(-J.item(), rel=0.08)
+    llm16.model.zero_grad()
+    st = accumulate_gradients(llm16.model, r16, rows, SAMPLING, cfg, llm16.pad_id, chunk=7)
+    g16 = torch.cat([p.grad.float().flatten() for p in llm16.model.parameters()])
+    assert float((g16 - g32).norm() / g32.norm()) < 0.08
+    assert float((g16 @ g32) / (g16.norm() * g32.norm())) > 0.995
+    assert st["loss"] == pytest.approx(-J.item(), rel=0.08)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_bf16_no_grad_and_grad_forwards_are_bit_identical(bf16_policy, fast):
+def test_bf16_no_grad_and_grad_forwards_are_bit_identical(bf16_policy):
     """pi_old from a pass without gradient equals log pi of the pass with gradient, bit for
     bit: what makes rho exactly 1 on the first update when epochs x minibatches > 1."""
     llm16 = bf16_policy[0]
     rows = build_rows(make_trajectories(llm16, 1, 3, seed=9), [0.5, -1.0, 0.5])
     with torch.no_grad():
-        a = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id, fast)[0]
-    b = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id, fast)[0]
+        a = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id)[0]
+    b = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id)[0]
     assert b.requires_grad and torch.equal(a, b.detach())
 
 
@@ -486,20 +512,19 @@ def test_entropy_is_that_of_the_distribution_sampled_from(tiny_llm):
     sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
     trajs = make_trajectories(tiny_llm, 1, 2, seed=11, first_tokens=allowed, first_temperature=2.0)
     rows = build_rows(trajs, [0.0, 0.0])
-    for fast in (True, False):
+    with torch.no_grad():
+        _, entropy, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, chunk=3)
+    for i, r in enumerate(rows):
         with torch.no_grad():
-            _, entropy, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, fast, chunk=3)
-        for i, r in enumerate(rows):
-            with torch.no_grad():
-                logits = tiny_llm.model(torch.tensor([r.prompt_ids + r.action_ids])).logits[0].float()  # [S, V]
-            for j in range(len(r.action_ids)):
-                z = logits[len(r.prompt_ids) - 1 + j] / sampling.temperature_at(j)
-                if j == 0:
-                    z = z[list(allowed)]
-                p = torch.softmax(z, -1)
-                want = float(-(p * p.log()).sum())
-                got = float(entropy[i, mask.shape[1] - len(r.action_ids) + j])
-                assert got == pytest.approx(want, abs=1e-4), (fast, i, j)
+            logits = tiny_llm.model(torch.tensor([r.prompt_ids + r.action_ids])).logits[0].float()  # [S, V]
+        for j in range(len(r.action_ids)):
+            z = logits[len(r.prompt_ids) - 1 + j] / sampling.temperature_at(j)
+            if j == 0:
+                z = z[list(allowed)]
+            p = torch.softmax(z, -1)
+            want = float(-(p * p.log()).sum())
+            got = float(entropy[i, mask.shape[1] - len(r.action_ids) + j])
+            assert got == pytest.approx(want, abs=1e-4), (i, j)
 
 
 def _credit_by_hand(trajs, rewards, scores, G, mode, row_weight, eps=1e-6):
@@ -565,3 +590,69 @@ def test_each_credit_option_equals_its_loop_written_objective(policy, mode, row_
     st = accumulate_gradients(llm.model, ref, rows, SAMPLING, cfg, llm.pad_id, micro_batch=64)
     assert st["loss"] == pytest.approx(-J.item(), rel=1e-4, abs=1e-6)
     assert_grads_close(grads(llm.model), g_loop)
+
+
+# ----------------------------------------------------------------------------------------
+# Advantage estimators (train.advantage)
+
+
+@pytest.mark.parametrize("name, rewards, want", [
+    ("grpo", [1, 0], [1, -1]),  # (R - mean) / population std: +-1 for two different rewards
+    ("grpo", [1, 1, 0, 0], [1, 1, -1, -1]),
+    ("grpo", [1, 0, 0, 0], [3 / 3 ** 0.5, -1 / 3 ** 0.5, -1 / 3 ** 0.5, -1 / 3 ** 0.5]),  # mean 1/4, std sqrt(3)/4
+    ("dr_grpo", [1, 0, 0, 0], [0.75, -0.25, -0.25, -0.25]),  # R - mean, no std
+    ("dr_grpo", [0.5, 0.5], [0, 0]),
+    ("rloo", [1, 0, 0, 0], [1, -1 / 3, -1 / 3, -1 / 3]),  # R_i - the mean of the other three
+    ("rloo", [1, 1, 0], [0.5, 0.5, -1]),
+    ("rloo", [2, 0], [2, -2]),
+])
+def test_estimators_by_hand(name, rewards, want):
+    from flow_grpo import ADVANTAGE_ESTIMATORS
+    assert ADVANTAGE_ESTIMATORS[name](rewards) == pytest.approx(want, abs=1e-5)
+
+
+def estimator_gap(policy, name: str) -> tuple[float, float]:
+    """(relative loss error, worst relative gradient error) of the batched loss over
+    kept_rows(estimator=name) against J written as loops (reference_objective) with the
+    advantages the estimator gives each group's rewards."""
+    from flow_grpo import ADVANTAGE_ESTIMATORS, kept_rows
+    llm, ref = policy
+    G, rewards = 3, [1, 0, 0, 1, 1, 0]
+    trajs = make_trajectories(llm, 2, G, seed=12)
+    for tr, r in zip(trajs, rewards):
+        tr.reward = r
+    adv = [a for q in range(0, len(rewards), G) for a in ADVANTAGE_ESTIMATORS[name](rewards[q:q + G])]
+    cfg = LossConfig(EPS_LO, EPS_HI, 0.05)
+    llm.model.zero_grad()
+    J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, cfg)
+    (-J).backward()
+    g_ref = grads(llm.model)
+    rows, _ = kept_rows(trajs, [True] * len(trajs), G, estimator=name)
+    llm.model.zero_grad()
+    st = accumulate_gradients(llm.model, ref, rows, SAMPLING, cfg, llm.pad_id)
+    g = grads(llm.model)
+    grad_err = max(float((a - b).norm()) / max(float(b.norm()), 1e-12) for a, b in zip(g, g_ref))
+    return abs(st["loss"] + J.item()) / abs(J.item()), grad_err
+
+
+def registered_estimators():
+    from flow_grpo import ADVANTAGE_ESTIMATORS
+    return sorted(ADVANTAGE_ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", registered_estimators())
+def test_every_registered_estimator_through_the_batched_loss(policy, name):
+    """Each estimator registered (the shipped ones and a fork's, once its module is imported)
+    reaches the loss: the batched update over kept_rows equals J with its advantages."""
+    loss_err, grad_err = estimator_gap(policy, name)
+    assert loss_err < 1e-4 and grad_err < 1e-4, (loss_err, grad_err)
+
+
+def test_the_estimator_check_sees_advantages_the_loss_ignores(policy, monkeypatch):
+    """The check above fails where the rows' advantages are not the estimator's (here: the
+    rows always get the paper's, whatever train.advantage names)."""
+    import flow_grpo
+    real = flow_grpo.kept_rows
+    monkeypatch.setattr(flow_grpo, "kept_rows", lambda *a, estimator="grpo", **k: real(*a, **k))
+    loss_err, grad_err = estimator_gap(policy, "rloo")
+    assert loss_err > 1e-2 or grad_err > 1e-2

@@ -89,10 +89,15 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, learnable_reward):
     assert learning["run"]["steps"] == 2 and learning["run"]["wall_s"] > 0
     assert len((out / "trajectories" / "step_1.jsonl").read_text().splitlines()) == 4
     proc = json.loads((out / "run.json").read_text())["processes"][0]  # provenance
-    assert proc["seed"] == cfg["seed"] and proc["decode"] in ("forward", "step", "step_transposed")
+    assert proc["seed"] == cfg["seed"] and proc["cpu"] and proc["torch"] == torch.__version__
     first = json.loads((out / "trajectories" / "step_1.jsonl").read_text().splitlines()[0])
-    assert {"tokens", "finish"} <= set(next(e for e in first["log"] if e["module"] == "planner"))
+    planned = next(e for e in first["log"] if e["module"] == "planner")
+    assert {"tokens", "finish"} <= set(planned)
+    # what the planner saw: its own part of the prompt per turn, the system prompts once
+    assert planned["prompt"].startswith(f"Question: {first['query']}") and "Step 1 of at most 2" in planned["prompt"]
+    assert "Available tools" in json.loads((out / "prompts.json").read_text())["planner"]
     html = (out / "report.html").read_text()
+    assert json.dumps(planned["prompt"])[1:40] in html  # the trajectory browser shows it
     assert "5. Trajectory browser" in html and "2. Held-out evaluation" in html
 
 
@@ -410,7 +415,8 @@ def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
     """One copy of each frozen weight: pi_ref holds the policy's own tensors for them and
     copies only the trained ones, which keep their initial values while the policy's move."""
     from support.models import load_model
-    from support.optim import PlannerOptimizer, frozen_reference, select_trainable
+    from flow_grpo import frozen_reference, optimizer_step
+    from support.optim import PlannerOptimizer, select_trainable
 
     model, _ = load_model(tiny_model_dir, "cpu", "float32")
     trained = select_trainable(model, 1)
@@ -423,7 +429,7 @@ def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
     opt = PlannerOptimizer(trained, lr=1e-2)
     x = torch.randint(0, 100, (2, 8))
     model(input_ids=x, labels=x).loss.backward()
-    opt.step(max_grad_norm=1e9)
+    optimizer_step(opt, max_grad_norm=1e9)
     for (name, q), p in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(q, start[name]), name  # the reference did not move
         if id(p) in ids:
@@ -433,6 +439,7 @@ def test_the_reference_shares_every_frozen_weight(tiny_model_dir):
 def test_a_bf16_checkpoint_restores_the_masters(tiny_model_dir, tmp_path):
     """trainer_state.pt holds the fp32 masters: a resume continues from them, not from
     their bf16 rounding (which would lose every update below half a bf16 step)."""
+    from flow_grpo import optimizer_step
     from support.checkpoints import resume, save_checkpoint
     from support.models import load_model
     from support.optim import PlannerOptimizer, select_trainable
@@ -445,7 +452,7 @@ def test_a_bf16_checkpoint_restores_the_masters(tiny_model_dir, tmp_path):
     x = torch.randint(0, 100, (2, 8))
     for _ in range(2):
         model(input_ids=x, labels=x).loss.backward()
-        opt.step(1.0)
+        optimizer_step(opt, 1.0)
     save_checkpoint(tmp_path, 2, model, opt)
     model2, _, opt2 = build()
     assert resume(tmp_path, model2, opt2) == 2
@@ -661,3 +668,51 @@ def test_a_run_whose_checkpoints_would_not_fit_on_disk_stops_before_loading(tmp_
     assert train.main([str(ROOT / "config.yaml"), f"out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "out_dir: 0.0 GB free" in err and "--plan" in err
+
+
+def test_a_run_executes_the_functions_a_learner_reads(tiny_model_dir, tmp_path, learnable_reward, monkeypatch):
+    """What a learner reads is what train.py runs: patch the sampler's draw (engine.draw) and
+    a step samples other actions; patch the trainer's log-probs (flow_grpo.ChunkedLogprobs)
+    and the same actions get another gradient."""
+    import engine
+    import flow_grpo
+
+    def one_step(name):
+        run(tiny_cfg(tiny_model_dir, tmp_path / name, "train.steps=1", "train.eval_before_after=false"))
+        out = tmp_path / name
+        actions = [[e["output"] for e in json.loads(line)["log"] if e["module"] == "planner"]
+                   for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+        return actions, json.loads((out / "metrics.jsonl").read_text())["grad_norm"]
+
+    actions, grad_norm = one_step("as_shipped")
+    assert grad_norm
+    real_draw, real_logprobs = engine.draw, flow_grpo.ChunkedLogprobs.apply
+    monkeypatch.setattr(engine, "draw", lambda w, gen: real_draw(w.flip(-1), gen).neg() + w.shape[-1] - 1)
+    assert one_step("other_draw")[0] != actions  # the mirror-image draw: other tokens
+    monkeypatch.setattr(engine, "draw", real_draw)
+    monkeypatch.setattr(flow_grpo.ChunkedLogprobs, "apply", lambda *a: tuple(x * 3 for x in real_logprobs(*a)))
+    same_actions, other_norm = one_step("other_logprobs")
+    assert same_actions == actions and other_norm != pytest.approx(grad_norm)
+
+
+def test_the_allocator_setting_is_in_force_before_cuda_starts(tiny_model_dir, tmp_path, monkeypatch):
+    """train.py's start-up path on a faked CUDA device: its first CUDA call (the memory plan
+    asking the device's size) already sees expandable segments in the environment, which
+    torch reads when CUDA starts (set later, it is silently off)."""
+    import os
+
+    class FirstCudaCall(Exception):
+        pass
+
+    def device_properties(*a):
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        raise FirstCudaCall
+
+    seen = []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", device_properties)
+    with pytest.raises(FirstCudaCall):
+        train.main([str(ROOT / "config.yaml"), *tiny_overrides(tiny_model_dir, tmp_path / "run"), "model.device=cuda"])
+    assert seen == ["expandable_segments:True"]
