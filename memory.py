@@ -19,10 +19,15 @@ official code), we render a compact text block and cap it:
     "...[cut N chars]" marker, so the reader knows text is missing;
   * the whole block is cut to `budget_chars` by dropping the OLDEST turns first
     (the latest evidence matters most to the next decision) and saying so.
+
+What each module reads of M lives here too: the executor, the verifier and the generator
+read Memory.render(); the planner reads a view of its own (PLANNER_VIEWS, named by
+agent.planner_view), which a fork replaces like a reward term.
 """
 
 from dataclasses import dataclass, field
 
+from support.config import ConfigError
 from support.text import cut
 
 
@@ -87,3 +92,51 @@ class Memory:
 def _joined_len(blocks: list[str], dropped: int) -> int:
     header = len(f"[turns 1-{dropped} omitted]\n") if dropped else 0
     return header + sum(len(b) for b in blocks) + max(0, len(blocks) - 1)
+
+
+# ----------------------------------------------------------------------------------------
+# The planner's view of M^t: a registry, so that a fork can change what the policy reads
+# without editing the core (@planner_view in a module listed in reward.modules).
+PLANNER_VIEWS = {}  # name -> fn(memory, tools: {name: tools.Tool}) -> text
+
+
+def planner_view(name: str):
+    """Register fn(memory, tools) -> the text the planner's prompt shows for M^t, as `name`."""
+    def add(fn):
+        PLANNER_VIEWS[name] = fn
+        return fn
+    return add
+
+
+def view_named(name: str):
+    """The planner view `name` (modules of reward.modules imported already)."""
+    if name not in PLANNER_VIEWS:
+        raise ConfigError(f"agent.planner_view: unknown view {name!r}; known: {', '.join(PLANNER_VIEWS)} (one of "
+                          f"your own: @memory.planner_view in a module listed in reward.modules)")
+    return PLANNER_VIEWS[name]
+
+
+@planner_view("found")
+def found(memory: Memory, tools: dict) -> str:
+    """One line per turn, what it did and what came back ("a search found: ..."), and after
+    a turn the verifier continued, a line with what it found still open (v^t).
+
+    The tool is named by what it did, not by its name: shown "Turn 1: Local_Search - ...",
+    a 135M planner copies the last tool name into its reply and rarely samples a second
+    step. The verifier's line: without it a trained planner searched again after a search
+    on most two_step questions (docs/LOG.md)."""
+    lines = []
+    for r in memory.records:
+        tool = tools.get(r.tool)
+        lines.append(f"- {tool.found_as if tool else 'a step without a tool gave'}: {r.result or r.error}")
+        if r.verdict == "continue":
+            says = tool.check.continue_says if tool and tool.check else ""
+            lines.append(f"- the check said: {says or 'the question is not answered yet'}")
+    return cut("\n".join(lines), memory.budget_chars) if lines else "- nothing yet"
+
+
+@planner_view("records")
+def records(memory: Memory, tools: dict) -> str:
+    """The whole memory block, as the other modules read it (Memory.render): the paper's
+    planner reads M^t this way."""
+    return memory.render()

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from support.bm25 import BM25, DiskBM25, tokenize
-from support.config import ConfigError, merge
+from support.config import ConfigError, merge, out_of_bounds
 from support.reply_cache import ReplyCache
 from support.sandbox import ISOLATIONS, Limits, Sandbox, SandboxError
 from support.text import cut
@@ -118,6 +118,10 @@ class Tool:
                              #   least recently used dropped first), answered again for the same command; 0 = off
     }
     choices: dict[str, tuple] = {}
+    # Settings with a range stricter than every number's >= 0: (operator, bound, why).
+    bounds = {"max_output_chars": (">=", 1, ""),
+              "search_top_k": (">=", 1, "a search that may return nothing fails every time, and the failure "
+                                        "would be blamed on the model's query")}
 
     def __init__(self, cfg: dict | None = None):
         self.cfg = {**tool_settings(), **(cfg or {})}
@@ -235,6 +239,7 @@ class PythonCoder(Tool):
         "python_sandbox_uid": 61100,  # as root: its uid, used by nothing else (rlimits: the 16 after it)
     }
     choices = {"python_isolation": ISOLATIONS}
+    bounds = {"python_timeout_s": (">", 0, "every program would time out")}
 
     @classmethod
     def preflight(cls, cfg):
@@ -423,10 +428,15 @@ def check_toolset(cfg: dict) -> list[str]:
         if name not in TOOL_CLASSES:
             near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
             hint = f"did you mean {near[0]}? " if near else ""
-            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}")
+            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}; "
+                              f"a tool of your own: @register it in a module and name the module in tools.modules")
     settings = tool_settings()
     choices = {f"tools.{k}": v for cls in TOOL_CLASSES.values() for k, v in _own(cls, "choices").items()}
     merge(settings, cfg["tools"], tool_settings(), "tools.", choices)
+    bounds = {f"tools.{k}": v for cls in TOOL_CLASSES.values() for k, v in _own(cls, "bounds").items()}
+    problems = out_of_bounds(settings, tool_settings(), "tools.", bounds)
+    if problems:
+        raise ConfigError("\n".join(problems))
     cfg["tools"] = settings
     return [p for p in (TOOL_CLASSES[name].preflight(settings) for name in cfg["agent"]["tools"]) if p]
 

@@ -43,6 +43,7 @@ class NetworkTool(Tool):
         # Wikipedia_Search refuses to start without it (WikipediaSearch.preflight).
         "contact": "",  # an email address or URL of yours, e.g. "you@example.org"
     }
+    bounds = {"web_timeout_s": (">", 0, "every request would time out"), "retry_attempts": (">=", 1, "")}
 
 
 @register

@@ -42,6 +42,9 @@ DEFAULTS = {
         "constrain_tool": True,  # the planner's first token must begin a tool name (agentflow.py)
         "force_tool": "",  # measurement: "A" or "A,B": turn t's action picks the t-th tool (eval.py --force-tool)
         "code_start": "",  # text the input of a tool that writes code (Python_Coder) must begin with ("print(")
+        # What the planner reads of the memory (memory.PLANNER_VIEWS): found (what each step found,
+        # and what the verifier found still open) | records (the whole block the other modules read)
+        "planner_view": "found",
         "memory_budget_chars": 1200,  # cap on the rendered memory block
         "result_chars": 400,  # cap on one tool result in memory
         # Sampling per module: temperature (0 = greedy), the token limit, and stop strings
@@ -90,6 +93,9 @@ DEFAULTS = {
         # every turn) | turn_rows (the official code: the same, normalised over turn rows) |
         # per_turn (each turn its own advantage, from the score train.turn_score names).
         "advantage_mode": "trajectory",
+        # How a group's rewards become advantages (flow_grpo.ADVANTAGE_ESTIMATORS): grpo (the paper:
+        # (R - mean) / std) | dr_grpo (R - mean) | rloo (R - the mean of the others) | one's own.
+        "advantage": "grpo",
         "turn_score": "outcome",  # per_turn: a score per planner turn (judge.TURN_SCORES, or one's own)
         "row_weight": "trajectory",  # trajectory (J's 1/T_i average over a rollout's turns) | turn (rows alike)
         "epochs": 1,  # PPO epochs over one rollout batch
@@ -136,6 +142,33 @@ CHOICES = {
 }
 
 
+# The range of each number: every numeric knob must be >= 0 (seeds aside), and these
+# more: (operator, bound, what a value outside does). Checked before any model loads.
+BOUNDS = {
+    "model.max_prompt_tokens": (">=", 1, ""), "model.prefill_tokens": (">=", 1, ""),
+    "agent.max_turns": (">=", 1, "T_max: a trajectory needs a turn"),
+    "agent.memory_budget_chars": (">=", 1, ""), "agent.result_chars": (">=", 1, ""),
+    "agent.planner.temperature": (">", 0, "the planner is the policy: the loss scores its actions under "
+                                         "softmax(logits / temperature)"),
+    **{f"agent.{m}.max_new_tokens": (">=", 1, "") for m in ("planner", "executor", "verifier", "generator")},
+    "train.steps": (">=", 1, ""), "train.queries_per_step": (">=", 1, ""),
+    "train.group_size": (">=", 2, "a group of one rollout always has advantage 0"),
+    "train.task_shares_from": (">=", 1, ""),
+    "train.lr": (">", 0, "a step of 0 learns nothing, and a negative one trains against the reward"),
+    "train.max_grad_norm": (">", 0, "the clip scales the gradient by max_grad_norm / norm: a negative one "
+                                    "flips it, so the run trains against the reward"),
+    "train.eps_low": ("<", 1, "the clip range 1 - eps_low must stay above 0"),
+    "train.epochs": (">=", 1, ""), "train.minibatches": (">=", 1, ""), "train.micro_batch": (">=", 1, ""),
+    "train.logits_chunk": (">=", 1, ""), "train.save_every": (">=", 1, ""),
+    "eval.batch_size": (">=", 1, ""), "eval.max_turns": (">=", 1, ""),
+    "judge.timeout_s": (">", 0, ""), "judge.max_workers": (">=", 1, ""),
+}
+UNBOUNDED = {"seed", "eval.seed"}  # any integer
+# What "beta < 0" and the like would do, for the message (the default >= 0 rule).
+WHY_NOT_NEGATIVE = {"train.beta": "a negative KL coefficient rewards moving away from pi_ref",
+                    "train.weight_decay": "a negative decay grows every weight"}
+
+
 # Keys that existed once, and why they went: an old config fails with the reason.
 REMOVED = {
     "train.equal_task_shares": "set train.task_shares to equal weights instead, e.g. "
@@ -168,10 +201,37 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
         leaf = node
         for part in parts[:-1]:
             leaf = leaf.setdefault(part, {})
-        leaf[parts[-1]] = yaml.safe_load(value)
+        leaf[parts[-1]] = yaml.safe_load(value) if value.strip() else EMPTY  # key= : the key's empty value
         merge(cfg, node, DEFAULTS)
+    problems = out_of_bounds(cfg, DEFAULTS)
+    if problems:
+        raise ConfigError("\n".join(problems))
     _check_combinations(cfg)
     return cfg
+
+
+EMPTY = object()  # `key=` on the command line: "" for text, [] for a list, {} for a mapping
+
+
+def out_of_bounds(cfg: dict, ref: dict, prefix: str = "", bounds: dict = BOUNDS) -> list[str]:
+    """One line per number outside its range (BOUNDS; >= 0 for the rest), with the key, the
+    value, the range, what the value would do, and the default to go back to."""
+    out = []
+    for key, want in ref.items():
+        name, value = prefix + key, cfg.get(key)
+        if isinstance(want, dict):
+            if isinstance(value, dict) and want:
+                out += out_of_bounds(value, want, name + ".", bounds)
+            continue
+        if name in UNBOUNDED or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        op, bound, why = bounds.get(name, (">=", 0, WHY_NOT_NEGATIVE.get(name, "")))
+        if not {">": value > bound, ">=": value >= bound, "<": value < bound}[op]:
+            out.append(f"config key '{name}' is {value!r}; it must be {op} {bound}" + (f": {why}" if why else "")
+                       + f". Fix: set {name}={want!r} (the default) or another value {op} {bound}")
+        if name in bounds and op == "<" and value < 0:  # an upper bound, and the >= 0 of every number
+            out.append(f"config key '{name}' is {value!r}; it must be >= 0. Fix: set {name}={want!r} (the default)")
+    return out
 
 
 # Sections whose keys another file owns and checks: their values are taken as given here.
@@ -213,6 +273,11 @@ AUTO_KEYS = {"train.micro_batch"}
 def _coerce(name: str, value, want, choices: dict):
     if name in AUTO_KEYS and value == "auto":
         return value
+    if value is EMPTY:
+        if not isinstance(want, (str, list)):
+            raise ConfigError(f"config key '{name}' needs a value (default {want!r}); `{name}=` empties only "
+                              f"text and lists")
+        value = type(want)()
     kind = type(want)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -233,37 +298,18 @@ def _coerce(name: str, value, want, choices: dict):
 
 def _check_combinations(cfg: dict) -> None:
     t, a = cfg["train"], cfg["agent"]
-    planner = a["planner"]
-    if planner["temperature"] <= 0:
-        raise ConfigError("agent.planner.temperature must be > 0: the planner is the policy, and the loss "
-                          "scores its actions under softmax(logits / temperature)")
-    if planner["first_temperature"] < 0:
-        raise ConfigError("agent.planner.first_temperature must be >= 0 (0 = the same as temperature)")
-    if t["micro_batch"] != "auto" and t["micro_batch"] < 1:
-        raise ConfigError(f"config key 'train.micro_batch' must be >= 1 or auto, got {t['micro_batch']}")
-    for key in ("steps", "queries_per_step", "group_size", "epochs", "minibatches"):
-        if t[key] < 1:
-            raise ConfigError(f"config key 'train.{key}' must be >= 1, got {t[key]}")
-    if t["group_size"] < 2:
-        raise ConfigError("config key 'train.group_size' must be >= 2: a group of one rollout always "
-                          "has advantage 0")
-    if not 0 <= t["eps_low"] < 1 or t["eps_high"] < 0:
-        raise ConfigError("train.eps_low must be in [0, 1) and train.eps_high >= 0")
     if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0 for w in t["task_shares"].values()):
         raise ConfigError(f"train.task_shares must map each task kind to a weight > 0, got {t['task_shares']!r}; "
                           "e.g. {lookup: 2, arithmetic: 1, two_step: 1}, or {} for the data's own shares")
-    if t["task_shares_from"] < 1 or (t["task_shares_from"] > 1 and not t["task_shares"]):
-        raise ConfigError(f"train.task_shares_from must be >= 1, and above 1 only with train.task_shares set "
+    if t["task_shares_from"] > 1 and not t["task_shares"]:
+        raise ConfigError(f"train.task_shares_from above 1 works only with train.task_shares set "
                           f"(the steps from it on draw those shares), got {t['task_shares_from']} with "
                           f"task_shares {t['task_shares']!r}")
-    m = cfg["model"]
-    if m["memory_gb"] < 0 or m["max_prompt_tokens"] < 1 or m["prefill_tokens"] < 1 or t["logits_chunk"] < 1:
-        raise ConfigError("model.memory_gb must be >= 0, model.max_prompt_tokens, model.prefill_tokens and "
-                          "train.logits_chunk >= 1")
-    if a["max_turns"] < 1 or cfg["eval"]["max_turns"] < 1:
-        raise ConfigError("agent.max_turns and eval.max_turns must be >= 1")
     if not a["tools"]:
         raise ConfigError("agent.tools must name at least one tool")
+    if t["advantage_mode"] == "turn_rows" and t["advantage"] != "grpo":
+        raise ConfigError(f"train.advantage_mode turn_rows is the official code's normalisation of grpo over turn "
+                          f"rows; train.advantage {t['advantage']!r} needs advantage_mode trajectory or per_turn")
     if any(n.strip() not in a["tools"] for n in a["force_tool"].split(",") if a["force_tool"]):
         raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, naming a tool that is not in agent.tools "
                           f"({', '.join(a['tools'])}); name one of those or leave it empty")

@@ -252,3 +252,45 @@ def test_a_model_or_toolset_that_cannot_serve_stops_before_any_rollout(tiny_mode
     monkeypatch.setattr(tools, "TOOL_CLASSES", dict(tools.TOOL_CLASSES))
     refused(f"model.name={tiny_model_dir}", "train.train_layers=2", "tools.modules=[web_tools, clash_tools_for_test]",
             "agent.tools=[Python_Coder, Python_Helper]", words=["Python_Coder and Python_Helper", "same token"])
+
+
+@pytest.mark.parametrize("override, rng", [
+    ("train.max_grad_norm=-1", "> 0"),  # the clip coefficient would flip the gradient
+    ("train.beta=-0.1", ">= 0"),
+    ("train.lr=-1", "> 0"),
+    ("train.lr=0", "> 0"),
+    ("train.eps_low=1.5", "< 1"),
+    ("train.eps_high=-0.1", ">= 0"),
+    ("train.group_size=1", ">= 2"),
+    ("train.weight_decay=-0.01", ">= 0"),
+    ("agent.planner.temperature=0", "> 0"),
+    ("agent.executor.temperature=-1", ">= 0"),
+    ("agent.generator.max_new_tokens=0", ">= 1"),
+    ("agent.memory_budget_chars=0", ">= 1"),
+    ("eval.batch_size=0", ">= 1"),
+    ("judge.timeout_s=0", "> 0"),
+    ("model.memory_gb=-5", ">= 0"),
+    ("tools.search_top_k=0", ">= 1"),
+    ("tools.python_timeout_s=-2", "> 0"),
+    ("tools.web_timeout_s=0", "> 0"),
+])
+def test_every_bad_number_stops_train_py_before_a_weight_loads(override, rng, monkeypatch, capsys):
+    """Each value that would corrupt a run (train against the reward, make every search
+    fail, ...) exits with a config error naming the key, the value, the range and the fix,
+    before any model loads."""
+    import train
+    from support import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    assert train.main([str(ROOT / "config.yaml"), *DATA, override]) == 2
+    err = capsys.readouterr().err
+    key, value = override.split("=")
+    assert f"config key '{key}' is " in err and f"must be {rng}" in err and f"Fix: set {key}=" in err, err
+
+
+def test_an_empty_override_empties_text_and_lists():
+    """`key=` on the command line: no paraphrase set, no stop strings; a number needs a value."""
+    c = cfg("data.paraphrase=", "agent.generator.stop=")
+    assert c["data"]["paraphrase"] == "" and c["agent"]["generator"]["stop"] == []
+    with pytest.raises(ConfigError, match="train.steps"):
+        cfg("train.steps=")

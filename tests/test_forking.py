@@ -1,4 +1,4 @@
-"""docs/FORKING.md's four recipes, run exactly as written: each module block is written to
+"""docs/FORKING.md's recipes, run exactly as written: each module block is written to
 a file beside a copy of config.yaml, each command line is run by train.main from there,
 with overrides appended only to make it a one-step run on a tiny model."""
 
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
+import flow_grpo
 import judge
+import memory
 import tools
 import train
 
@@ -37,10 +39,11 @@ def fork(tmp_path, monkeypatch):
     (tmp_path / "data").symlink_to(ROOT / "data")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for registry, name in ((tools, "TOOL_CLASSES"), (judge, "REWARD_TERMS"), (judge, "TURN_SCORES")):
+    for registry, name in ((tools, "TOOL_CLASSES"), (judge, "REWARD_TERMS"), (judge, "TURN_SCORES"),
+                           (flow_grpo, "ADVANTAGE_ESTIMATORS"), (memory, "PLANNER_VIEWS")):
         monkeypatch.setattr(registry, name, dict(getattr(registry, name)))
     yield tmp_path
-    for name in ("my_tools", "my_rewards", "my_credit"):
+    for name in ("my_tools", "my_rewards", "my_credit", "my_estimator", "my_view"):
         sys.modules.pop(name, None)
 
 
@@ -55,10 +58,12 @@ def run_recipe(number: int, folder: Path, *fast: str) -> Path:
     return out
 
 
-def test_the_guide_has_four_recipes_each_with_a_command():
-    assert [s.split("\n")[0] for s in SECTIONS[:4]] == ["1. Add a tool", "2. Add a reward term",
-                                                       "3. Change the credit assignment", "4. Swap the planner model"]
-    assert [len(recipe(n)[0]) for n in (1, 2, 3, 4)] == [1, 1, 1, 0]
+def test_the_guide_has_six_recipes_each_with_a_command():
+    assert [s.split("\n")[0] for s in SECTIONS[:6]] == ["1. Add a tool", "2. Add a reward term",
+                                                       "3. Change the credit assignment", "4. Swap the planner model",
+                                                       "5. Change the advantage estimator",
+                                                       "6. Change what the planner reads of the memory"]
+    assert [len(recipe(n)[0]) for n in (1, 2, 3, 4, 5, 6)] == [1, 1, 1, 0, 1, 1]
 
 
 def test_recipe_1_a_tool_of_ones_own(fork, tiny_model_dir):
@@ -93,3 +98,31 @@ def test_recipe_4_a_planner_model_of_ones_own(fork, tiny_model_dir):
     trained = AutoModelForCausalLM.from_pretrained(out / "model")
     assert trained.config.num_hidden_layers == 2 and trained.config.hidden_size == 64  # the planner trained
     assert json.loads((out / "config.json").read_text())["model"]["name"] == "smollm2-135m"
+
+
+def test_recipe_5_an_advantage_estimator(fork, tiny_model_dir, monkeypatch):
+    """The groups' advantages are the recipe's (1 for the best, 0 for the rest), not the
+    paper's (+-1). A random model is never right: the reward is the answer's length being
+    odd (as tests/test_train.py's learnable reward), with a sampled generator."""
+    monkeypatch.setattr(judge, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1, "f1": 0.0,
+                                                                     "extracted": answer})
+    out = run_recipe(5, fork, f"model.name={tiny_model_dir}", "train.train_layers=2", "train.queries_per_step=4",
+                     "agent.generator.temperature=1.0")
+    assert json.loads((out / "config.json").read_text())["train"]["advantage"] == "best_of_group"
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    groups = [trajs[q:q + 2] for q in range(0, len(trajs), 2)]  # G = 2
+    assert any(a["reward"] != b["reward"] for a, b in groups), "no group with a signal: nothing is checked"
+    for a, b in groups:
+        want = [1.0, 0.0] if a["reward"] > b["reward"] else [0.0, 1.0] if b["reward"] > a["reward"] else [0.0, 0.0]
+        assert [a["advantage"], b["advantage"]] == want
+
+
+def test_recipe_6_a_planner_view(fork, tiny_model_dir):
+    out = run_recipe(6, fork, f"model.name={tiny_model_dir}", "train.train_layers=2")
+    for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines():
+        tr = json.loads(line)
+        seen = [e["prompt"] for e in tr["log"] if e["module"] == "planner"]
+        assert "- nothing yet" in seen[0]  # turn 1: the view of an empty memory
+        for turn, prompt in enumerate(seen[1:], start=1):  # later turns: the last result, the recipe's words
+            rec = tr["memory"][turn - 1]
+            assert "- the last step gave: " + (rec["result"] or rec["error"])[:40] in prompt

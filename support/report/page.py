@@ -48,7 +48,7 @@ from support.text import plan_of
 MAX_EMBED_STEPS = 40  # trajectory steps embedded in the browser (evenly spaced, first and last kept)
 MAX_EMBED_CHARS = 8_000_000  # and at most this much embedded JSON: fewer steps if needed
 CAP = {"query": 600, "answer": 400, "sub_goal": 300, "command": 500, "result": 600, "error": 300,
-       "planner": 500, "gold": 200}  # characters kept per embedded text field
+       "planner": 500, "saw": 1500, "gold": 200}  # characters kept per embedded text field
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, where a relative data.train is also looked for
 
 
@@ -313,7 +313,8 @@ def plan_table(run: dict) -> str:
 
 def turn_payload(t: dict) -> dict:
     rec = t["record"]
-    return {"turn": t["turn"], "planner": clip(t["raw"], CAP["planner"]), "recorded": t["recorded"],
+    return {"turn": t["turn"], "planner": clip(t["raw"], CAP["planner"]), "saw": clip(t["prompt"], CAP["saw"]),
+            "recorded": t["recorded"],
             **{f: clip(rec.get(f, ""), CAP.get(f, 300)) for f in ("sub_goal", "tool", "command", "result", "error",
                                                                    "verdict")},
             "loose": t["loose"], "tool_line": clip(t["tool_line"], 80), "no_tool": t["no_tool"],

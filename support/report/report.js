@@ -77,6 +77,7 @@
     if (t.no_tool) th.appendChild(el("span", "flag", "no tool named"));
     if (t.at_cap) th.appendChild(el("span", "flag", "cut at " + (t.tokens || "max") + " tokens"));
     c.appendChild(th);
+    field(c, "what the planner saw (its own part of the prompt)", t.saw, null);
     field(c, actionLabel + (t.tokens ? " \u00b7 " + t.tokens + " tokens" : ""), t.planner, "planner");
     if (!t.recorded) c.appendChild(el("p", "dim", "no memory record for this turn"));
     // The memory record of the turn; empty fields are shown as such (they say something).
