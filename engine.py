@@ -30,9 +30,9 @@ One call of LLM.sample, in the numbered steps of LLM._sample_sub_batch:
      a CUDA graph (the marked block, `GraphStep`): a 7B step is ~2,000 small kernels,
      which take longer to launch than to run. Back to 2.
 
-Which of these speed ideas earn their lines was measured on the default run (docs/LOG.md,
-scripts/speed_bench): each one kept is worth 10% or more of the sampler's time on a CPU,
-or is needed for GPU memory (the cache written in place, the prefill's token cap).
+What each speed idea earns is measured side by side by `python -m scripts.speed_bench`,
+which swaps it for the generic way (figures by machine in docs/LOG.md). The written-out
+decode step and the cache written in place are also what the CUDA graph stands on.
 
 Simplified: no continuous batching (a call's rows start together), no speculative
 decoding, no paged attention; a model other than Llama or Qwen2 decodes through its own

@@ -227,7 +227,8 @@ def out_of_bounds(cfg: dict, ref: dict, prefix: str = "", bounds: dict = BOUNDS)
             continue
         op, bound, why = bounds.get(name, (">=", 0, WHY_NOT_NEGATIVE.get(name, "")))
         if not {">": value > bound, ">=": value >= bound, "<": value < bound}[op]:
-            out.append(f"config key '{name}' is {value!r}; it must be {op} {bound}" + (f": {why}" if why else "")
+            out.append(f"config key '{name}' is {value!r}; it must be {op} {bound}" + (" or auto" if name in AUTO_KEYS else "")
+                       + (f": {why}" if why else "")
                        + f". Fix: set {name}={want!r} (the default) or another value {op} {bound}")
         if name in bounds and op == "<" and value < 0:  # an upper bound, and the >= 0 of every number
             out.append(f"config key '{name}' is {value!r}; it must be >= 0. Fix: set {name}={want!r} (the default)")

@@ -28,9 +28,11 @@ Simplified: no activation checkpointing, no CPU offload; under torchrun each ran
 device holds a whole plan (replicas, not shards), for its share of the rollouts.
 """
 
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -261,7 +263,8 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
          if budget is not None else f"{rollout_rows} rollouts in one sub-batch"))
     if cap:
         add((f"  or: a prefill forward of at most {cap} tokens", prefill, "model.prefill_tokens"))
-    add((f"  or: decode logits of {rows} rows (fp32 softmax, fp64 running sum)", rows * row_decode, ""))
+    add((f"  or: decode logits of {rows} rows (fp32 softmax, fp64 running sum)"
+         + (", the decode graph's pool" if device == "cuda" else ""), rows * row_decode, ""))
     plan.sampler = kv + max(prefill, rows * row_decode)
 
     # The update: one micro-batch's forward and backward.
@@ -373,23 +376,46 @@ def device_budget(cfg: dict) -> tuple[str, float | None]:
     return resolved, None
 
 
+# The architectures (config.json) of the hub models the shipped configs name, so that a plan
+# needs no network: configs/architectures/<owner>--<name>.json.
+ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "architectures"
+
+
+def architecture(name: str):
+    """A model's transformers config, for the plan: from its folder or the hub's cache on this
+    machine, else the copy kept in configs/architectures/, and only then from the hub."""
+    from transformers import AutoConfig
+
+    from support.models import resolve_model
+
+    path = resolve_model(name)
+    if Path(path).is_dir():
+        return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        kept = ARCHITECTURES / (name.replace("/", "--") + ".json")
+        if kept.is_file():
+            fields = json.loads(kept.read_text())
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return AutoConfig.from_pretrained(path)  # the hub: an OSError offline, which --plan reports
+
+
 def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
     """The plan of a run's config; `config` (a transformers config) saves reading config.json.
     ranks: processes under torchrun, one device each. Each holds everything above for
     itself (weights, reference, optimizer state: they are replicated, not sharded); only
     its rollout is smaller, its share of the step's groups (ranks.World.shard)."""
-    from transformers import AutoConfig
-
-    from support.models import planner_name, resolve_model
+    from support.models import planner_name
 
     t, a, e, m = cfg["train"], cfg["agent"], cfg["eval"], cfg["model"]
     if config is None:
-        config = AutoConfig.from_pretrained(resolve_model(planner_name(m)))
+        config = architecture(planner_name(m))
     device, budget = device_budget(cfg)
     shape = model_shape(config, t["train_layers"], name=planner_name(m))
     frozen = None
     if planner_name(m) != m["name"]:  # the frozen modules run a model of their own
-        frozen = model_shape(AutoConfig.from_pretrained(resolve_model(m["name"])), 0, name=m["name"])
+        frozen = model_shape(architecture(m["name"]), 0, name=m["name"])
     max_new = max(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier", "generator"))
     plan = lambda micro_batch: make_plan(
         shape, dtype=cfg["model"]["dtype"], device=device, budget=budget, max_prompt=cfg["model"]["max_prompt_tokens"],

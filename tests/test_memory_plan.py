@@ -172,3 +172,22 @@ def test_the_update_activations_bound_what_autograd_saves(dtype):
     shape = model_shape(cfg, 2)
     planned = 2 * saved_per_token_layer(shape, s, L) + (4 + s) * shape.hidden  # as make_plan counts them
     assert measured <= planned <= 1.2 * measured, (measured, planned)
+
+
+def test_the_7b_config_is_planned_offline(monkeypatch, capsys):
+    """`python train.py configs/qwen2.5-7b-1gpu.yaml model.memory_gb=80 --plan` on a machine
+    that never saw the hub: the architecture kept in configs/architectures/ is read, the
+    network is never asked."""
+    from transformers import AutoConfig
+
+    real = AutoConfig.from_pretrained
+
+    def local_only(name, *a, **k):
+        assert k.get("local_files_only") or Path(name).is_dir(), "the plan asked the hub"
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", local_only)
+    assert train.main([str(SEVEN_B), "model.memory_gb=80", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen2.5-7B-Instruct in bfloat16 on cuda, budget 80.0 GB" in out and "fits" in out
+    assert "7.62B parameters" in out  # the kept architecture is Qwen2.5-7B's
