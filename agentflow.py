@@ -50,7 +50,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from engine import LLM, SamplingParams
-from memory import Memory, view_named
+from memory import PLANNER_VIEWS, Memory
 from support.config import ConfigError
 from support.seeds import derive_seed
 from support.text import cut
@@ -69,7 +69,7 @@ class AgentSystem:
         self.tool_names = list(tools)
         cards = "\n".join(f"- {t.name}: {t.card}" for t in tools.values())
         self.planner_system = PLANNER_SYSTEM.format(cards=cards)
-        self.view = view_named(cfg.planner_view)  # what the planner reads of M^t (memory.py)
+        self.view = PLANNER_VIEWS.named(cfg.planner_view)  # what the planner reads of M^t (memory.py)
         # A 135M model at temperature 1 rarely writes a tool name where one belongs. With
         # constrain_tool, the action's first token is drawn among the first tokens of the
         # tool names (" Python", " Local", ...): the policy over tools becomes a softmax

@@ -42,9 +42,9 @@ from tqdm import tqdm
 
 from agentflow import AgentSystem, agent_config
 from engine import LLM
-from flow_grpo import estimator_named
-from judge import Judge, Reward, turn_scorer
-from memory import view_named
+from flow_grpo import ADVANTAGE_ESTIMATORS
+from judge import TURN_SCORES, Judge, Reward
+from memory import PLANNER_VIEWS
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.checkpoints import disk_problem
@@ -216,11 +216,11 @@ def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -
     one line per problem, all at once."""
     problems = preflight(cfg, data=training) + check_toolset(cfg)
     Reward.from_config(cfg["reward"])  # its terms are known, their modules import
-    view_named(cfg["agent"]["planner_view"])  # the planner's view of the memory, perhaps one of those modules'
+    PLANNER_VIEWS.named(cfg["agent"]["planner_view"])  # the planner's view of the memory, perhaps one of those modules'
     if training and cfg["train"]["advantage_mode"] == "per_turn":
-        turn_scorer(cfg["train"]["turn_score"])
+        TURN_SCORES.named(cfg["train"]["turn_score"])
     if training:
-        estimator_named(cfg["train"]["advantage"])
+        ADVANTAGE_ESTIMATORS.named(cfg["train"]["advantage"])
     models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
     problems += models
     if training and not models:  # the plan reads the model's config.json, which check_models just read

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import SamplingParams, prefill
-from support.config import ConfigError
+from support.registry import Registry
 from support.ranks import SINGLE
 
 
@@ -137,24 +137,13 @@ def group_advantages(rewards: list[float], group_size: int, n_turns: list[int] |
 # rows' scores) become advantages: train.advantage names one. The paper's is "grpo"; a
 # fork registers its own with @advantage_estimator in a module listed in reward.modules,
 # and tests/test_flow_grpo.py runs every registered one through the loss.
-ADVANTAGE_ESTIMATORS = {}  # name -> fn(values of one group: list[float]) -> advantages: list[float]
+# name -> fn(values of one group: list[float]) -> advantages: one float per rollout
+ADVANTAGE_ESTIMATORS = Registry("train.advantage", "advantage estimator", "flow_grpo.advantage_estimator")
 
 
 def advantage_estimator(name: str):
-    """Register fn(values) -> advantages, both one float per rollout of a group, as `name`."""
-    def add(fn):
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-    return add
-
-
-def estimator_named(name: str):
-    """The advantage estimator `name` (modules of reward.modules imported already)."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(f"train.advantage: unknown advantage estimator {name!r}; known: "
-                          f"{', '.join(ADVANTAGE_ESTIMATORS)} (one of your own: @flow_grpo.advantage_estimator "
-                          f"in a module listed in reward.modules)")
-    return ADVANTAGE_ESTIMATORS[name]
+    """Register fn(values) -> advantages as `name` (a decorator)."""
+    return ADVANTAGE_ESTIMATORS.add(name)
 
 
 @advantage_estimator("grpo")
@@ -233,7 +222,7 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_gro
     rows = []
     for g in groups:
         turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # the T_i turns with an action
-        A = estimator_named(estimator)([trajs[k].reward for k in g])  # A_i over the group's G_q rollouts
+        A = ADVANTAGE_ESTIMATORS.named(estimator)([trajs[k].reward for k in g])  # A_i over the group's G_q rollouts
         adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i^t = A_i for each of its T_i turns
         for k, a in zip(g, A):
             trajs[k].advantage = a
@@ -265,7 +254,7 @@ def other_credit(trajs, g: list[int], turns: dict, mode: str, turn_scores: list 
     if mode != "per_turn":
         raise ValueError(f"advantage mode must be 'trajectory', 'turn_rows' or 'per_turn', not {mode!r}")
     scores = [s for k in g for t, s in zip(trajs[k].turns, turn_scores[k]) if t.action_ids]
-    flat = iter(estimator_named(estimator)(scores))  # over the group's turn rows
+    flat = iter(ADVANTAGE_ESTIMATORS.named(estimator)(scores))  # over the group's turn rows
     adv = {k: [next(flat) for _ in turns[k]] for k in g}
     for k in g:
         trajs[k].turn_advantages = adv[k]

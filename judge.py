@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from support.config import ConfigError
+from support.registry import Registry
 from support.answers import (KINDS, choice_index, choice_letter, date_key, extract_answer, game24_candidates,
                              game24_number_sets, check_game24, gold_aliases, normalize_text, parse_number,
                              same_math, strip_option_labels, token_f1, undone_arithmetic, wordy)
@@ -173,24 +174,14 @@ def turns(traj, item, verdict) -> float:
 
 # A score per planner turn, for credit per turn (train.advantage_mode: per_turn): each turn
 # row's advantage is its score normalised over the group's turn rows (flow_grpo.kept_rows).
-TURN_SCORES = {}  # name -> fn(trajectory, item, verdict) -> [one float per planner turn]
+# name -> fn(trajectory, item, verdict) -> [one float per planner turn]
+TURN_SCORES = Registry("train.turn_score", "turn score", "judge.turn_score")
 
 
 def turn_score(name: str):
     """Register fn(trajectory, item, verdict) -> list of floats, one per planner turn (with
     the trajectory's reward R_i already set), as a score train.turn_score may name."""
-    def add(fn):
-        TURN_SCORES[name] = fn
-        return fn
-    return add
-
-
-def turn_scorer(name: str):
-    """The turn score `name` (modules of reward.modules imported already)."""
-    if name not in TURN_SCORES:
-        raise ConfigError(f"train.turn_score: unknown turn score {name!r}; known: {', '.join(TURN_SCORES)} (one of "
-                          f"your own: @judge.turn_score in a module listed in reward.modules)")
-    return TURN_SCORES[name]
+    return TURN_SCORES.add(name)
 
 
 @turn_score("outcome")

@@ -27,7 +27,7 @@ agent.planner_view), which a fork replaces like a reward term.
 
 from dataclasses import dataclass, field
 
-from support.config import ConfigError
+from support.registry import Registry
 from support.text import cut
 
 
@@ -97,23 +97,13 @@ def _joined_len(blocks: list[str], dropped: int) -> int:
 # ----------------------------------------------------------------------------------------
 # The planner's view of M^t: a registry, so that a fork can change what the policy reads
 # without editing the core (@planner_view in a module listed in reward.modules).
-PLANNER_VIEWS = {}  # name -> fn(memory, tools: {name: tools.Tool}) -> text
+# name -> fn(memory, tools: {name: tools.Tool}) -> the text the planner's prompt shows for M^t
+PLANNER_VIEWS = Registry("agent.planner_view", "planner view", "memory.planner_view")
 
 
 def planner_view(name: str):
-    """Register fn(memory, tools) -> the text the planner's prompt shows for M^t, as `name`."""
-    def add(fn):
-        PLANNER_VIEWS[name] = fn
-        return fn
-    return add
-
-
-def view_named(name: str):
-    """The planner view `name` (modules of reward.modules imported already)."""
-    if name not in PLANNER_VIEWS:
-        raise ConfigError(f"agent.planner_view: unknown view {name!r}; known: {', '.join(PLANNER_VIEWS)} (one of "
-                          f"your own: @memory.planner_view in a module listed in reward.modules)")
-    return PLANNER_VIEWS[name]
+    """Register fn(memory, tools) -> text as `name` (a decorator)."""
+    return PLANNER_VIEWS.add(name)
 
 
 @planner_view("found")

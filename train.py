@@ -53,7 +53,7 @@ from agentflow import AgentSystem, agent_config
 from engine import LLM
 from eval import check_run, evaluate
 from flow_grpo import LossConfig, UpdateConfig, frozen_reference, kept_groups, kept_rows, policy_update
-from judge import Judge, Reward, turn_scorer
+from judge import TURN_SCORES, Judge, Reward
 from support import ranks
 from support.checkpoints import export_model, resume, save_checkpoint
 from support.config import ConfigError, load_config
@@ -243,7 +243,7 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
     n_groups = sum(world.all_gather(len(kept_groups(usable, G))))
     scores = None  # with credit per turn, a score for each turn of each judged trajectory
     if t["advantage_mode"] == "per_turn":
-        score = turn_scorer(t["turn_score"])
+        score = TURN_SCORES.named(t["turn_score"])
         scores = [score(tr, my_queries[k // G], verdicts[k]) if usable[k] else None for k, tr in enumerate(trajs)]
     rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups, scores, t["row_weight"], t["advantage"])
 

@@ -31,19 +31,25 @@ def recipe(number: int) -> tuple[dict[str, str], list[str]]:
     return files, shlex.split(line)[2:]
 
 
+RECIPE_MODULES = ("my_tools", "my_rewards", "my_credit", "my_estimator", "my_view")
+
+
 @pytest.fixture()
 def fork(tmp_path, monkeypatch):
-    """A working folder like the repository root: config.yaml, the data, a module path; the
-    registries the recipes add to are restored afterwards, and their modules forgotten."""
+    """A working folder like the repository root: config.yaml, the data, a module path; what
+    the recipes register is removed afterwards, and their modules forgotten."""
     shutil.copy(ROOT / "config.yaml", tmp_path / "config.yaml")
     (tmp_path / "data").symlink_to(ROOT / "data")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for registry, name in ((tools, "TOOL_CLASSES"), (judge, "REWARD_TERMS"), (judge, "TURN_SCORES"),
-                           (flow_grpo, "ADVANTAGE_ESTIMATORS"), (memory, "PLANNER_VIEWS")):
-        monkeypatch.setattr(registry, name, dict(getattr(registry, name)))
     yield tmp_path
-    for name in ("my_tools", "my_rewards", "my_credit", "my_estimator", "my_view"):
+    # What the recipes registered goes (the registries stay the same objects: other modules
+    # imported them by name; what a project module registered meanwhile stays).
+    for registry in (tools.TOOL_CLASSES, judge.REWARD_TERMS, judge.TURN_SCORES, flow_grpo.ADVANTAGE_ESTIMATORS,
+                     memory.PLANNER_VIEWS):
+        for key in [k for k, v in registry.items() if v.__module__ in RECIPE_MODULES]:
+            del registry[key]
+    for name in RECIPE_MODULES:
         sys.modules.pop(name, None)
 
 
