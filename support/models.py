@@ -117,12 +117,13 @@ def model_name_problem(key: str, name: str) -> str:
     return ""
 
 
-def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
+def check_model(key: str, name: str, train_layers: int = 0, positions: int = 0) -> list[str]:
     """What would stop a run with this model before any rollout, one line each, from its
     config and tokenizer files alone (no weights): a hub id that is neither in the local
     cache nor reachable; no chat template (the four modules talk to the model as a chat);
     train_layers above its depth (which would quietly train every block but leave the
-    embeddings frozen). `key` names the setting in the messages."""
+    embeddings frozen); fewer positions than a prompt and an action need (`positions`).
+    `key` names the setting in the messages."""
     bad_name = model_name_problem(key, name)
     if bad_name:
         return [bad_name]
@@ -137,7 +138,9 @@ def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
     try:
         config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        return [f"{key}: cannot read the config or tokenizer of {name}: {str(e).splitlines()[0][:200]}"]
+        return [f"{key}: cannot read the config or tokenizer of {name}; a model folder needs config.json and its "
+                f"tokenizer's files (tokenizer.json or tokenizer.model, tokenizer_config.json). "
+                f"{type(e).__name__}: {str(e).splitlines()[0]}"]
     problems = []
     if not getattr(tok, "chat_template", None):
         problems.append(f"{key}: {name} has no chat template (its tokenizer_config.json names none), and every "
@@ -146,6 +149,11 @@ def check_model(key: str, name: str, train_layers: int = 0) -> list[str]:
     if train_layers and depth is not None and train_layers > depth:
         problems.append(f"train.train_layers is {train_layers} but {name} has {depth} blocks; set it to at most "
                         f"{depth}, or to 0 to train every weight (the embeddings included)")
+    most = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and most and positions > most:
+        problems.append(f"{key}: {name} has {most} positions, but a prompt of model.max_prompt_tokens and the "
+                        f"longest agent.*.max_new_tokens need {positions}; lower those, or use a model with a "
+                        f"longer context")
     return problems
 
 
@@ -159,9 +167,10 @@ def check_models(cfg: dict, training: bool = True) -> list[str]:
     training), and, where the planner has a model of its own, that it shares the frozen
     modules' tokenizer (the same ids for the same text), one line each."""
     m, layers = cfg["model"], cfg["train"]["train_layers"] if training else 0
+    need = m["max_prompt_tokens"] + max(a["max_new_tokens"] for a in cfg["agent"].values() if isinstance(a, dict))
     if planner_name(m) == m["name"]:
-        return check_model("model.name", m["name"], layers)
-    problems = check_model("model.planner", m["planner"], layers) + check_model("model.name", m["name"])
+        return check_model("model.name", m["name"], layers, need)
+    problems = check_model("model.planner", m["planner"], layers, need) + check_model("model.name", m["name"], 0, need)
     if not problems:
         a, b = (AutoTokenizer.from_pretrained(resolve_model(n)) for n in (m["planner"], m["name"]))
         if a.get_vocab() != b.get_vocab() or a.eos_token_id != b.eos_token_id:

@@ -3,6 +3,7 @@ preflight, tools.check_toolset, judge.Reward, support/models.check_models): a ba
 model name, tool or missing API key is one line that names the key and the fix, and every
 problem is reported at once."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -294,3 +295,23 @@ def test_an_empty_override_empties_text_and_lists():
     assert c["data"]["paraphrase"] == "" and c["agent"]["generator"]["stop"] == []
     with pytest.raises(ConfigError, match="train.steps"):
         cfg("train.steps=")
+
+
+def test_a_model_too_short_for_a_prompt_and_an_action_is_refused(tiny_model_dir, tmp_path):
+    """A model with 128 positions under the default's 2,048-token prompts: refused before a
+    weight loads, with both numbers."""
+    import shutil
+    short = tmp_path / "short"
+    shutil.copytree(tiny_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    msg = fails(cfg(f"model.name={short}"), "model.name", "128 positions", "need 2096")
+    assert "model.max_prompt_tokens" in msg
+
+
+def test_a_folder_without_a_tokenizer_says_what_a_model_folder_needs(tiny_model_dir, tmp_path):
+    import shutil
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(Path(tiny_model_dir) / "config.json", bare / "config.json")
+    fails(cfg(f"model.name={bare}"), "model.name", "tokenizer.json or tokenizer.model")
