@@ -102,6 +102,9 @@ def main(argv: list[str]) -> int:
     except PlanError as e:
         print(f"memory plan error: {e}", file=sys.stderr)
         return 3
+    except InfrastructureStop as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     finally:
         ranks.shutdown()  # under torchrun: leave the process group (nothing without it)
     return 0
@@ -175,10 +178,21 @@ def run(cfg: dict) -> dict:
         print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
                disable=not world.main)
+    dry = 0  # steps in a row that trained on nothing because the tools' infrastructure failed
     for step in bar:
         with plan.guard(f"in training step {step + 1}"):
             metrics = train_step(cfg, step, agent, model, ref, optimizer, train_items, judge, reward, out,
                                  update_tokens=plan.update_tokens, world=world)
+        dry = dry + 1 if not metrics["optimizer_steps"] and metrics["infra_failures"] else 0
+        if t["max_infra_steps"] and dry >= t["max_infra_steps"]:
+            if world.main:
+                append_metrics(out, metrics)
+            raise InfrastructureStop(
+                f"steps {step + 2 - dry}-{step + 1} trained on nothing: infrastructure failures (network, keys, "
+                f"quotas) left no group two rollouts ({metrics['infra_failures']} failed tool calls in step "
+                f"{step + 1}; their errors are in the memory records of {out}/trajectories/step_{step + 1}.jsonl). "
+                f"Fix the tools' access, or set train.max_infra_steps=0 to go on regardless; the run resumes "
+                f"from its last checkpoint")
         if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
         if not world.main:
@@ -210,6 +224,10 @@ def run(cfg: dict) -> dict:
     if world.main:
         print(f"report: {refresh_report(out)}")
     return result
+
+
+class InfrastructureStop(RuntimeError):
+    """train.max_infra_steps steps in a row took no update: the tools, not the model, failed."""
 
 
 def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, out, update_tokens: int = 0,

@@ -108,6 +108,9 @@ DEFAULTS = {
         "save_every": 10,  # checkpoint every N steps (and at the end)
         "eval_every": 0,  # held-out evaluation every N steps (0 = only before and after)
         "eval_before_after": True,  # held-out evaluation before the first and after the last step
+        # Steps in a row in which infrastructure failures (network, keys, quotas) left no group
+        # to train on, before the run stops and says so; 0 = go on regardless
+        "max_infra_steps": 3,
     },
     "eval": {
         "limit": 0,  # held-out items to evaluate (0 = all)

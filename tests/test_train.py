@@ -716,3 +716,16 @@ def test_the_allocator_setting_is_in_force_before_cuda_starts(tiny_model_dir, tm
     with pytest.raises(FirstCudaCall):
         train.main([str(ROOT / "config.yaml"), *tiny_overrides(tiny_model_dir, tmp_path / "run"), "model.device=cuda"])
     assert seen == ["expandable_segments:True"]
+
+
+def test_steps_that_train_on_nothing_stop_the_run_with_the_cause(tiny_model_dir, tmp_path, learnable_reward,
+                                                                  search_down, capsys):
+    """Every search down for good: after train.max_infra_steps steps in a row without an
+    update, train.py stops, says why and where the errors are, and keeps the steps' metrics."""
+    out = tmp_path / "run"
+    args = [str(ROOT / "config.yaml"), *tiny_overrides(tiny_model_dir, out), "train.steps=5", "train.max_infra_steps=2",
+            "agent.force_tool=Local_Search", "train.eval_before_after=false"]
+    assert train.main(args) == 4
+    err = capsys.readouterr().err
+    assert "steps 1-2 trained on nothing" in err and "trajectories/step_2.jsonl" in err and "max_infra_steps=0" in err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
