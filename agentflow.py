@@ -47,6 +47,7 @@ from __future__ import annotations  # the turn loop comes first, the types it na
 
 import copy
 import re
+import string
 from dataclasses import dataclass, field, replace
 
 from engine import LLM, SamplingParams
@@ -68,7 +69,8 @@ class AgentSystem:
         self.planner, self.frozen, self.tools, self.cfg = planner, frozen, tools, cfg
         self.tool_names = list(tools)
         cards = "\n".join(f"- {t.name}: {t.card}" for t in tools.values())
-        self.planner_system = PLANNER_SYSTEM.format(cards=cards)
+        self.prompts = p = cfg.prompts  # PROMPTS, or a fork's replacements (agent.prompts)
+        self.planner_system = p["planner_system"].format(cards=cards)
         self.view = PLANNER_VIEWS.named(cfg.planner_view)  # what the planner reads of M^t (memory.py)
         # A 135M model at temperature 1 rarely writes a tool name where one belongs. With
         # constrain_tool, the action's first token is drawn among the first tokens of the
@@ -96,20 +98,20 @@ class AgentSystem:
                                        first_tokens=(self.stop_token, self.continue_token))
         self.check_params = replace(self.verifier_params, first_tokens=(self.yes_token, self.no_token))
         self.check_system = {t.name: t.check.question + "\n\n" + "\n\n".join(
-            CHECK_USER.format(result=out, query=q) + f"\n{t.check.label} {a}" for q, out, a in t.check.examples)
+            p["check_user"].format(result=out, query=q) + f"\n{t.check.label} {a}" for q, out, a in t.check.examples)
             for t in tools.values() if t.check}
         # The executor's worked examples, each laid out exactly like its own prompt, the
         # earlier turns rendered by the Memory the real prompts come from.
-        self.executor_system = EXECUTOR_SYSTEM.format(examples="\n\n".join(
-            EXECUTOR_USER.format(sub_goal=goal, memory=_example_memory(earlier).render(), query=q, tool=t.name)
+        self.executor_system = p["executor_system"].format(examples="\n\n".join(
+            p["executor_user"].format(sub_goal=goal, memory=_example_memory(earlier).render(), query=q, tool=t.name)
             + f"\n{t.input_prefix}{text}" for t in tools.values() for q, earlier, goal, text in t.examples))
 
     def system_prompts(self) -> dict[str, str]:
         """Each module's system prompt, the same for every trajectory of a run (train.py
         writes them to prompts.json; each trajectory records its own part)."""
-        return {"planner": self.planner_system, "executor": self.executor_system, "verifier": VERIFIER_SYSTEM,
+        return {"planner": self.planner_system, "executor": self.executor_system, "verifier": self.prompts["verifier_system"],
                 **{f"check after {tool}": text for tool, text in self.check_system.items()},
-                "generator": GENERATOR_SYSTEM}
+                "generator": self.prompts["generator_system"]}
 
     def with_planner_temperature(self, temperature: float) -> "AgentSystem":
         """The same modules and tools with the planner sampling at `temperature` (0 = greedy),
@@ -173,7 +175,7 @@ class AgentSystem:
                     tr.done = True
 
         # Generator: o = G(q, M^T), one batched call.
-        gprompts = [self.frozen.chat_ids(GENERATOR_SYSTEM, GENERATOR_USER.format(
+        gprompts = [self.frozen.chat_ids(self.prompts["generator_system"], self.prompts["generator_user"].format(
             query=tr.query, memory=tr.memory.render()), "Answer:") for tr in trajs]
         for tr, smp in zip(trajs, self.frozen.sample(gprompts, self.cfg.generator, derive_seed("generator", seed))):
             tr.answer = smp.text.strip()
@@ -187,7 +189,7 @@ class AgentSystem:
     def planner_user(self, query: str, memory: Memory, turn: int, max_turns: int) -> str:
         """The part of the planner's prompt that is this trajectory's own: the question, its
         view of M^t (memory.PLANNER_VIEWS), the turn (what the trajectories record)."""
-        return PLANNER_USER.format(query=query, found=self.view(memory, self.tools), turn=turn, max_turns=max_turns)
+        return self.prompts["planner_user"].format(query=query, found=self.view(memory, self.tools), turn=turn, max_turns=max_turns)
 
     def _verify(self, live, seed) -> list[bool]:
         """v^t for each live trajectory: True = stop. After a tool with a Check the frozen model
@@ -201,12 +203,12 @@ class AgentSystem:
         for tool, rows in rows_of.items():
             if tool:
                 check, last = self.tools[tool].check, [live[i].memory.records[-1] for i in rows]
-                prompts = [self.frozen.chat_ids(self.check_system[tool], CHECK_USER.format(
+                prompts = [self.frozen.chat_ids(self.check_system[tool], self.prompts["check_user"].format(
                     result=r.result or r.error, query=live[i].query), check.label) for i, r in zip(rows, last)]
                 stop_token = self.yes_token if check.stop_if == "Yes" else self.no_token
                 params = self.check_params
             else:
-                prompts = [self.frozen.chat_ids(VERIFIER_SYSTEM, VERIFIER_USER.format(
+                prompts = [self.frozen.chat_ids(self.prompts["verifier_system"], self.prompts["verifier_user"].format(
                     query=live[i].query, memory=live[i].memory.render()), "Conclusion:") for i in rows]
                 stop_token, params = self.stop_token, self.verifier_params
             for i, smp in zip(rows, self.frozen.sample(prompts, params, seed)):
@@ -220,7 +222,7 @@ class AgentSystem:
         prompts = []
         for i in valid:
             tool = self.tools[plans[i].tool]
-            prompts.append(self.frozen.chat_ids(self.executor_system, EXECUTOR_USER.format(
+            prompts.append(self.frozen.chat_ids(self.executor_system, self.prompts["executor_user"].format(
                 query=live[i].query, memory=live[i].memory.render(), tool=tool.name,
                 sub_goal=plans[i].sub_goal or live[i].query), tool.input_prefix + starts[i]))
         stops = [self.tools[plans[i].tool].input_stops for i in valid]
@@ -283,6 +285,7 @@ class AgentConfig:
     force_tool: str  # "A" or "A,B,...": turn t's action begins with the t-th tool (measurement only)
     code_start: str  # text every input of a tool that writes code is forced to begin with, e.g. "print("
     planner_view: str  # what the planner reads of the memory: a name in memory.PLANNER_VIEWS
+    prompts: dict  # every module prompt by name: PROMPTS with agent.prompts' replacements
     memory_budget_chars: int
     result_chars: int
     planner: SamplingParams
@@ -297,7 +300,8 @@ def agent_config(a: dict) -> AgentConfig:
                                  stop=tuple(a[k]["stop"]), first_temperature=a[k].get("first_temperature", 0.0))
                for k in ("planner", "executor", "verifier", "generator")}
     return AgentConfig(max_turns=a["max_turns"], constrain_tool=a["constrain_tool"], force_tool=a["force_tool"],
-                       code_start=a["code_start"], planner_view=a["planner_view"], memory_budget_chars=a["memory_budget_chars"],
+                       code_start=a["code_start"], planner_view=a["planner_view"],
+                       prompts=prompts_with(a["prompts"]), memory_budget_chars=a["memory_budget_chars"],
                        result_chars=a["result_chars"], **modules)
 
 
@@ -390,6 +394,27 @@ Answer: 36"""
 GENERATOR_USER = """Question: {query}
 Memory:
 {memory}"""
+
+# The prompts as data: agent.prompts replaces any of them by name (a fork's own wording,
+# no core edit); each replacement keeps the {fields} of the one it replaces.
+PROMPTS = {"planner_system": PLANNER_SYSTEM, "planner_user": PLANNER_USER, "executor_system": EXECUTOR_SYSTEM,
+           "executor_user": EXECUTOR_USER, "verifier_system": VERIFIER_SYSTEM, "verifier_user": VERIFIER_USER,
+           "check_user": CHECK_USER, "generator_system": GENERATOR_SYSTEM, "generator_user": GENERATOR_USER}
+
+
+def prompts_with(overrides: dict) -> dict[str, str]:
+    """PROMPTS with agent.prompts' replacements, each checked to name a prompt and to keep its fields."""
+    out = dict(PROMPTS)
+    for name, text in overrides.items():
+        if name not in PROMPTS:
+            raise ConfigError(f"agent.prompts: no prompt is called {name!r}; the prompts are {', '.join(PROMPTS)}")
+        want = {f for _, f, _, _ in string.Formatter().parse(PROMPTS[name]) if f}
+        got = {f for _, f, _, _ in string.Formatter().parse(str(text)) if f} if isinstance(text, str) else None
+        if got != want:
+            raise ConfigError(f"agent.prompts.{name} must be text with the fields {sorted(want) or 'none'} "
+                              f"(each in braces), got {text!r}")
+        out[name] = text
+    return out
 
 @dataclass
 class Plan:

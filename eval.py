@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from agentflow import AgentSystem, agent_config
+from agentflow import AgentSystem, agent_config, prompts_with
 from engine import LLM
 from flow_grpo import ADVANTAGE_ESTIMATORS
 from judge import TURN_SCORES, Judge, Reward
@@ -217,6 +217,7 @@ def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -
     problems = preflight(cfg, data=training) + check_toolset(cfg)
     Reward.from_config(cfg["reward"])  # its terms are known, their modules import
     PLANNER_VIEWS.named(cfg["agent"]["planner_view"])  # the planner's view of the memory, perhaps one of those modules'
+    prompts_with(cfg["agent"]["prompts"])  # replaced prompts name a prompt and keep its fields
     if training and cfg["train"]["advantage_mode"] == "per_turn":
         TURN_SCORES.named(cfg["train"]["turn_score"])
     if training:

@@ -45,6 +45,9 @@ DEFAULTS = {
         # What the planner reads of the memory (memory.PLANNER_VIEWS): found (what each step found,
         # and what the verifier found still open) | records (the whole block the other modules read)
         "planner_view": "found",
+        # Module prompts replaced by name (agentflow.PROMPTS: planner_system, generator_user, ...);
+        # each keeps the {fields} of the one it replaces. {} = the shipped prompts.
+        "prompts": {},
         "memory_budget_chars": 1200,  # cap on the rendered memory block
         "result_chars": 400,  # cap on one tool result in memory
         # Sampling per module: temperature (0 = greedy), the token limit, and stop strings
@@ -239,7 +242,7 @@ def out_of_bounds(cfg: dict, ref: dict, prefix: str = "", bounds: dict = BOUNDS)
 
 
 # Sections whose keys another file owns and checks: their values are taken as given here.
-OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward",
+OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward", "agent.prompts": "agentflow.prompts_with",
                  "train.task_shares": "preflight (against the data's task kinds)"}
 # Open mappings taken whole: an override replaces the file's (train.task_shares={} is the data's shares).
 WHOLE_MAPPINGS = {"train.task_shares"}

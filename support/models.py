@@ -167,7 +167,8 @@ def check_models(cfg: dict, training: bool = True) -> list[str]:
     training), and, where the planner has a model of its own, that it shares the frozen
     modules' tokenizer (the same ids for the same text), one line each."""
     m, layers = cfg["model"], cfg["train"]["train_layers"] if training else 0
-    need = m["max_prompt_tokens"] + max(a["max_new_tokens"] for a in cfg["agent"].values() if isinstance(a, dict))
+    need = m["max_prompt_tokens"] + max(cfg["agent"][k]["max_new_tokens"] for k in ("planner", "executor", "verifier",
+                                                                                    "generator"))
     if planner_name(m) == m["name"]:
         return check_model("model.name", m["name"], layers, need)
     problems = check_model("model.planner", m["planner"], layers, need) + check_model("model.name", m["name"], 0, need)

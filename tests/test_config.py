@@ -315,3 +315,8 @@ def test_a_folder_without_a_tokenizer_says_what_a_model_folder_needs(tiny_model_
     bare.mkdir()
     shutil.copy(Path(tiny_model_dir) / "config.json", bare / "config.json")
     fails(cfg(f"model.name={bare}"), "model.name", "tokenizer.json or tokenizer.model")
+
+
+def test_a_replaced_prompt_must_name_a_prompt_and_keep_its_fields():
+    fails(cfg("agent.prompts={planner_user: 'Question: {query}'}"), "agent.prompts.planner_user", "found")
+    fails(cfg("agent.prompts={planer_system: 'x'}"), "agent.prompts", "planner_system")

@@ -64,12 +64,13 @@ def run_recipe(number: int, folder: Path, *fast: str) -> Path:
     return out
 
 
-def test_the_guide_has_six_recipes_each_with_a_command():
-    assert [s.split("\n")[0] for s in SECTIONS[:6]] == ["1. Add a tool", "2. Add a reward term",
+def test_the_guide_has_seven_recipes_each_with_a_command():
+    assert [s.split("\n")[0] for s in SECTIONS[:7]] == ["1. Add a tool", "2. Add a reward term",
                                                        "3. Change the credit assignment", "4. Swap the planner model",
                                                        "5. Change the advantage estimator",
-                                                       "6. Change what the planner reads of the memory"]
-    assert [len(recipe(n)[0]) for n in (1, 2, 3, 4, 5, 6)] == [1, 1, 1, 0, 1, 1]
+                                                       "6. Change what the planner reads of the memory",
+                                                       "7. Change a module's prompt"]
+    assert [len(recipe(n)[0]) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 1, 1, 0, 1, 1, 0]
 
 
 def test_recipe_1_a_tool_of_ones_own(fork, tiny_model_dir):
@@ -132,3 +133,10 @@ def test_recipe_6_a_planner_view(fork, tiny_model_dir):
         for turn, prompt in enumerate(seen[1:], start=1):  # later turns: the last result, the recipe's words
             rec = tr["memory"][turn - 1]
             assert "- the last step gave: " + (rec["result"] or rec["error"])[:40] in prompt
+
+
+def test_recipe_7_a_prompt_of_ones_own(fork, tiny_model_dir):
+    out = run_recipe(7, fork, f"model.name={tiny_model_dir}", "train.train_layers=2")
+    ran = json.loads((out / "prompts.json").read_text())
+    assert ran["generator"].startswith("You answer a question from the memory of tool results.")
+    assert "Available tools" in ran["planner"]  # the others as shipped
