@@ -13,7 +13,8 @@ It never imports the method files (tests/test_layout.py checks it). What is here
     seeds.py           every seed a run derives from its one seed
     run_log.py         what a step writes: trajectories and the metrics row
     provenance.py      run.json: where and with what each process of a run ran
-    config.py          every knob, its default, validation, the preflight
+    config.py          every knob, its default, its range, validation, the preflight
+    registry.py        named functions a config names (turn scores, estimators, planner views)
     datasets.py        benchmark and task files -> items
     answers.py, math_answer.py   reading answers for the judge's rules
     web.py, reply_cache.py, sandbox.py, bm25.py   beneath the tools
