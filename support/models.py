@@ -6,6 +6,7 @@ Hugging Face name or a local folder in the config's model.name.
 """
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -135,6 +136,12 @@ def check_model(key: str, name: str, train_layers: int = 0, positions: int = 0) 
         return [f"{key}: {name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
                 f"HF_HUB_OFFLINE is set); download it once where there is network (`hf download {name}`) "
                 f"or point {key} at a local folder"]
+    missing = missing_weights(path) if Path(path).is_dir() or not _hub_reachable() else []
+    if missing:
+        return [f"{key}: {name} lacks {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3
+                                                                   else "")
+                + f" (a download that stopped half-way?); download it again (`hf download {name}`) or point {key} "
+                  f"at a complete folder"]
     try:
         config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -178,6 +185,28 @@ def check_models(cfg: dict, training: bool = True) -> list[str]:
             problems.append(f"model.planner: {m['planner']} and model.name {m['name']} have different tokenizers; "
                             f"the frozen modules read the planner's token ids, so both need the same one")
     return problems
+
+
+def missing_weights(path: str) -> list[str]:
+    """The weight files a model folder, or a hub id's cached snapshot, should hold and does
+    not: the shards its model.safetensors.index.json names, or its one weight file."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def has(file: str):  # the file's path, or None
+        if Path(path).is_dir():
+            return str(Path(path) / file) if (Path(path) / file).is_file() else None
+        try:
+            found = try_to_load_from_cache(path, file)
+        except ValueError:  # not a valid repo id: the load will say so
+            return file
+        return found if isinstance(found, str) else None
+
+    index = has("model.safetensors.index.json")
+    if index:
+        shards = sorted(set(json.loads(Path(index).read_text()).get("weight_map", {}).values()))
+        return [s for s in shards if not has(s)]
+    single = ("model.safetensors", "pytorch_model.bin")
+    return [] if any(has(f) for f in single) else [single[0]]
 
 
 def _cached(repo_id: str) -> bool:

@@ -313,10 +313,39 @@ def test_a_folder_without_a_tokenizer_says_what_a_model_folder_needs(tiny_model_
     import shutil
     bare = tmp_path / "bare"
     bare.mkdir()
-    shutil.copy(Path(tiny_model_dir) / "config.json", bare / "config.json")
+    for name in ("config.json", "model.safetensors"):  # a model, without its tokenizer's files
+        shutil.copy(Path(tiny_model_dir) / name, bare / name)
     fails(cfg(f"model.name={bare}"), "model.name", "tokenizer.json or tokenizer.model")
 
 
 def test_a_replaced_prompt_must_name_a_prompt_and_keep_its_fields():
     fails(cfg("agent.prompts={planner_user: 'Question: {query}'}"), "agent.prompts.planner_user", "found")
     fails(cfg("agent.prompts={planer_system: 'x'}"), "agent.prompts", "planner_system")
+
+
+def test_a_half_downloaded_model_is_refused_before_loading(tiny_model_dir, tmp_path, monkeypatch):
+    """Its config and tokenizer are there, a weight file is not: in a folder (one file, or a
+    shard its index names), and in the hub's cache on a machine that cannot reach the hub."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    folder = tmp_path / "half"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "model.safetensors").unlink()
+    fails(cfg(f"model.name={folder}"), "model.name", "lacks model.safetensors", "hf download")
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(Path(tiny_model_dir) / "model.safetensors", folder / "model-00001-of-00002.safetensors")
+    fails(cfg(f"model.name={folder}"), "lacks model-00002-of-00002.safetensors")
+    # The same snapshot in a hub cache, the hub unreachable.
+    snapshot = tmp_path / "hub" / "models--someone--half" / "snapshots" / "abc"
+    shutil.copytree(folder, snapshot)
+    (tmp_path / "hub" / "models--someone--half" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--half" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fails(cfg("model.name=someone/half"), "model.name", "someone/half lacks model-00002-of-00002.safetensors")
+    shutil.copy(Path(tiny_model_dir) / "model.safetensors", snapshot / "model-00002-of-00002.safetensors")
+    from support.models import missing_weights
+    assert missing_weights("someone/half") == [] and missing_weights(str(snapshot)) == []  # complete

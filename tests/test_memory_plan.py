@@ -29,14 +29,24 @@ PAPER_LENGTHS = ("model.max_prompt_tokens=2048", "agent.planner.max_new_tokens=2
                  "agent.executor.max_new_tokens=2048", "agent.generator.max_new_tokens=2048")
 
 
+def empty_weights(folder: Path) -> None:
+    """Qwen2.5-7B's four shard names in an index, each an empty file: the preflight looks for
+    every weight file a model names (a half download is refused); nothing here loads them."""
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {s: s for s in shards}}))
+    for s in shards:
+        (folder / s).touch()
+
+
 @pytest.fixture(scope="module")
 def qwen7b(tmp_path_factory, default_model_path) -> str:
-    """Qwen2.5-7B-Instruct's config.json, no weights, beside a chat tokenizer (the default
-    model's: the checks before a run read it; the plan never does)."""
+    """Qwen2.5-7B-Instruct's config.json, no weights (empty stand-ins), beside a chat
+    tokenizer (the default model's: the checks before a run read it; the plan never does)."""
     from transformers import AutoTokenizer
     d = tmp_path_factory.mktemp("qwen7b")
     AutoTokenizer.from_pretrained(default_model_path).save_pretrained(d)
     (d / "config.json").write_text(json.dumps(QWEN_7B))
+    empty_weights(d)
     return str(d)
 
 

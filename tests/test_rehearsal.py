@@ -230,10 +230,11 @@ def test_the_7b_config_on_a_box_without_user_namespaces_and_a_small_disk(tmp_pat
     one go, and stop before loading any weight."""
     from transformers import AutoTokenizer
 
-    from test_memory_plan import QWEN_7B
+    from test_memory_plan import QWEN_7B, empty_weights
     model_dir = tmp_path / "qwen7b"  # Qwen2.5-7B's config.json beside a chat tokenizer, no weights
     AutoTokenizer.from_pretrained(default_model_path).save_pretrained(model_dir)
     (model_dir / "config.json").write_text(json.dumps(QWEN_7B))
+    empty_weights(model_dir)
     script = f"""
 import collections, ctypes, os, sys
 if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
