@@ -124,7 +124,8 @@ def _row(item: Item, traj, verdict: dict, crash: str) -> dict:
             "turns": len(records), "tools": [r.tool for r in records if r.tool],
             "tool_calls": sum(1 for r in records if r.tool),
             "tool_errors": sum(1 for r in records if r.tool and r.error and not r.infra),  # the model's
-            "infra_failures": sum(1 for r in records if r.infra),
+            # tool calls that failed for infrastructure reasons, and the judge's own such failure
+            "infra_failures": sum(1 for r in records if r.infra) + int(bool(verdict.get("judge_infra"))),
             "errors": [r.error for r in records if r.error] + ([crash] if crash else []),
             "trajectory": traj.to_dict() if traj else None}
 

@@ -250,7 +250,9 @@ class LLMJudge:
     e.g. the project's own engine (engine_generate).
     Every failure is "no verdict": judge() and judge_batch() return False for it and
     record why in self.last_reason (and the log); verdicts() returns None with the
-    reason. A judge that cannot answer must not turn into a reward of 1, nor a crash.
+    reason, and whether the infrastructure failed (the request, the endpoint, the engine)
+    rather than the judge's reply. A judge that cannot answer must not turn into a reward
+    of 1, nor a crash; one whose infrastructure failed must not turn into a reward at all.
     """
 
     def __init__(self, base_url: str | None = None, model: str | None = None,
@@ -283,7 +285,7 @@ class LLMJudge:
             return verdict == "yes", f"judge said {verdict}"
         return None, f"unparseable reply {reply[:100]!r}"
 
-    def _chat(self, prompt: str) -> tuple[bool | None, str]:
+    def _chat(self, prompt: str) -> tuple[bool | None, str, bool]:
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
         if key:
@@ -294,18 +296,18 @@ class LLMJudge:
             r = requests.post(f"{self.base_url}/chat/completions", headers=headers,
                               data=json.dumps(body), timeout=self.timeout)
         except requests.RequestException as e:
-            return None, f"request failed: {type(e).__name__}: {e}"
+            return None, f"request failed: {type(e).__name__}: {e}", True
         if r.status_code != 200:
-            return None, f"HTTP {r.status_code}: {r.text[:200]!r}"
+            return None, f"HTTP {r.status_code}: {r.text[:200]!r}", True
         try:
             reply = r.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            return None, f"malformed response ({type(e).__name__}): {r.text[:200]!r}"
-        return self._parse(reply)
+            return None, f"malformed response ({type(e).__name__}): {r.text[:200]!r}", True
+        return (*self._parse(reply), False)
 
-    def verdicts(self, items: list[tuple]) -> list[tuple[bool | None, str]]:
-        """(verdict, reason) for many (question, prediction, gold); verdict None = the
-        judge gave none. One generate() call for the local engine (it batches), one
+    def verdicts(self, items: list[tuple]) -> list[tuple[bool | None, str, bool]]:
+        """(verdict, reason, infra) for many (question, prediction, gold); verdict None = the
+        judge gave none, infra True = because its infrastructure failed. One generate() call for the local engine (it batches), one
         request each for an endpoint, max_workers of them in flight."""
         prompts = [self.prompt(q, p, g) for q, p, g in items]
         if not prompts:
@@ -321,10 +323,10 @@ class LLMJudge:
             else:
                 why = "generate returned the wrong number of replies"
             if not isinstance(replies, (list, tuple)) or len(replies) != len(prompts):
-                out = [(None, why)] * len(prompts)
+                out = [(None, why, True)] * len(prompts)
             else:
-                out = [self._parse(r) for r in replies]
-        for verdict, reason in out:
+                out = [(*self._parse(r), False) for r in replies]
+        for verdict, reason, _ in out:
             self.last_reason = reason
             if verdict is None:
                 log.warning("LLM judge gave no verdict (counted as wrong): %s", reason)
@@ -335,7 +337,7 @@ class LLMJudge:
 
     def judge_batch(self, items: list[tuple]) -> list[bool]:
         """True / False per (question, prediction, gold); no verdict is False."""
-        return [bool(v) for v, _ in self.verdicts(items)]
+        return [bool(v) for v, _, _ in self.verdicts(items)]
 
     def score(self, question: str, prediction: str, gold, kind: str,
               options: list[str] | None = None) -> dict:
@@ -357,8 +359,10 @@ class Judge:
 
     Every verdict is score_item's dict plus "judge": who decided, "rule" (the rules
     said right, or were the only judge, or the LLM gave no verdict) or "llm" (the LLM
-    said yes or no), and "judge_error": why the LLM gave no verdict ("" otherwise). A
-    failed LLM call therefore leaves the rule's verdict, wrong: reward 0, never 1.
+    said yes or no), "judge_error": why the LLM gave no verdict ("" otherwise), and
+    "judge_infra": whether that was its infrastructure's failure. A reply that is no
+    verdict leaves the rule's verdict, wrong: reward 0, never 1; a failed request leaves
+    the answer out of training (train.judge_rollouts), like a tool's infrastructure failure.
     """
 
     def __init__(self, llm: LLMJudge | None = None):
@@ -385,15 +389,15 @@ class Judge:
         out = []
         for answer, it in zip(answers, items):
             v = dict(score_item(answer, it.gold, it.kind, it.options, it.numbers))
-            v.update(judge="rule", judge_error="")
+            v.update(judge="rule", judge_error="", judge_infra=False)
             out.append(v)
         if self.llm is None:
             return out
         ask = [k for k, v in enumerate(out) if not v["correct"] and items[k].kind != "game24"]
         got = self.llm.verdicts([(items[k].question, answers[k], items[k].gold) for k in ask])
-        for k, (verdict, reason) in zip(ask, got):
+        for k, (verdict, reason, infra) in zip(ask, got):
             if verdict is None:
-                out[k]["judge_error"] = reason
+                out[k].update(judge_error=reason, judge_infra=infra)
             else:
                 out[k]["judge"] = "llm"
                 if verdict:

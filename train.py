@@ -183,16 +183,17 @@ def run(cfg: dict) -> dict:
         with plan.guard(f"in training step {step + 1}"):
             metrics = train_step(cfg, step, agent, model, ref, optimizer, train_items, judge, reward, out,
                                  update_tokens=plan.update_tokens, world=world)
-        dry = dry + 1 if not metrics["optimizer_steps"] and metrics["infra_failures"] else 0
+        failed = metrics["infra_failures"] or metrics["judge"]["llm_failed"]  # the tools' or the judge's
+        dry = dry + 1 if not metrics["optimizer_steps"] and failed else 0
         if t["max_infra_steps"] and dry >= t["max_infra_steps"]:
             if world.main:
                 append_metrics(out, metrics)
             raise InfrastructureStop(
                 f"steps {step + 2 - dry}-{step + 1} trained on nothing: infrastructure failures (network, keys, "
-                f"quotas) left no group two rollouts ({metrics['infra_failures']} failed tool calls in step "
-                f"{step + 1}; their errors are in the memory records of {out}/trajectories/step_{step + 1}.jsonl). "
-                f"Fix the tools' access, or set train.max_infra_steps=0 to go on regardless; the run resumes "
-                f"from its last checkpoint")
+                f"quotas) left no group two rollouts ({metrics['infra_failures']} failed tool calls and "
+                f"{metrics['judge']['llm_failed']} failed judge calls in step {step + 1}; their errors are in "
+                f"{out}/trajectories/step_{step + 1}.jsonl). Fix the tools' or the judge's access, or set "
+                f"train.max_infra_steps=0 to go on regardless; the run resumes from its last checkpoint")
         if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
             metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
         if not world.main:
@@ -286,13 +287,15 @@ def judge_rollouts(trajs, queries, G: int, judge: Judge, reward: Reward) -> list
     wrong, never right. A trajectory whose tool failed for infrastructure reasons after its
     retries (a quota, an outage, a missing key: tools.ToolResult.infra) is not judged: its
     outcome says how the network did, not how the policy did. Its reward and verdict stay
-    None."""
+    None. One whose LLM judge failed to answer for the same reasons keeps its verdict (the
+    rules', for the counts) but gets no reward: it is left out of the update too."""
     judged = [k for k, tr in enumerate(trajs) if not any(r.infra for r in tr.memory.records)]
     verdicts = [None] * len(trajs)
     for k, v in zip(judged, judge.score_batch([trajs[k].answer for k in judged], [queries[k // G] for k in judged])):
         verdicts[k] = v
     for k, (tr, v) in enumerate(zip(trajs, verdicts)):
-        tr.reward, tr.reward_terms = reward(tr, queries[k // G], v) if v is not None else (None, {})
+        judged_here = v is not None and not v.get("judge_infra")
+        tr.reward, tr.reward_terms = reward(tr, queries[k // G], v) if judged_here else (None, {})
     return verdicts
 
 

@@ -444,12 +444,16 @@ def test_judge_endpoint_decides_what_the_rules_reject(server):
     assert v[0]["correct"] is False and v[0]["judge"] == "llm" and v[0]["judge_error"] == ""
 
 
-@pytest.mark.parametrize("mode", ["http500", "garbage", "notjson", "slow"])
-def test_judge_failure_is_reward_zero_and_counted(server, mode):
+@pytest.mark.parametrize("mode, infra", [("http500", True), ("garbage", False), ("notjson", True), ("slow", True)])
+def test_judge_failure_is_never_a_right_answer_and_counted(server, mode, infra):
+    """No verdict leaves the rule's (wrong); a failed request, an error status, a malformed
+    response or a timeout are the infrastructure's failures (train.py leaves such answers
+    out of the update), a reply that says neither yes nor no is the judge's."""
     j = Judge.from_config({"llm": True, "base_url": server, "model": mode, "api_key_env": "",
                            "timeout_s": 0.3, "max_workers": 4})
     v = j.score_batch(ANSWERS[:1] * 3, ITEMS[:1] * 3)
     assert all(x["correct"] is False and x["judge"] == "rule" and x["judge_error"] for x in v)
+    assert all(x["judge_infra"] is infra for x in v)
     assert judge_counts(v) == {"rule": 3, "llm": 0, "llm_failed": 3}
 
 

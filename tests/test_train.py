@@ -729,3 +729,23 @@ def test_steps_that_train_on_nothing_stop_the_run_with_the_cause(tiny_model_dir,
     err = capsys.readouterr().err
     assert "steps 1-2 trained on nothing" in err and "trajectories/step_2.jsonl" in err and "max_infra_steps=0" in err
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_an_answer_the_judge_could_not_reach_gets_no_reward():
+    """A served judge that fails (its infrastructure, not its reply) leaves the trajectory
+    out, as a tool's outage does: no reward, so no group counts it; the rules' verdict stays
+    for the counts."""
+    from judge import Reward
+    from train import judge_rollouts
+
+    class DownJudge:
+        def score_batch(self, answers, items):
+            return [{"correct": False, "f1": 0.0, "extracted": a, "judge": "rule", "judge_error": "HTTP 503",
+                     "judge_infra": k == 0} for k, a in enumerate(answers)]
+
+    trajs = fake_trajectories([1, 1], [0.0, 0.0])
+    item = type("Item", (), {"question": "q", "gold": ["1"], "kind": "number", "options": None, "numbers": None})()
+    verdicts = judge_rollouts(trajs, [item], 2, DownJudge(), Reward.from_config({"terms": {"correct": 1.0},
+                                                                                  "modules": []}))
+    assert trajs[0].reward is None and trajs[1].reward == 0.0
+    assert verdicts[0]["judge_error"] == "HTTP 503"  # still counted as a failed judge call
