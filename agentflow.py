@@ -109,7 +109,8 @@ class AgentSystem:
     def system_prompts(self) -> dict[str, str]:
         """Each module's system prompt, the same for every trajectory of a run (train.py
         writes them to prompts.json; each trajectory records its own part)."""
-        return {"planner": self.planner_system, "executor": self.executor_system, "verifier": self.prompts["verifier_system"],
+        return {"planner": self.planner_system, "executor": self.executor_system,
+                "verifier": self.prompts["verifier_system"],
                 **{f"check after {tool}": text for tool, text in self.check_system.items()},
                 "generator": self.prompts["generator_system"]}
 
@@ -189,7 +190,8 @@ class AgentSystem:
     def planner_user(self, query: str, memory: Memory, turn: int, max_turns: int) -> str:
         """The part of the planner's prompt that is this trajectory's own: the question, its
         view of M^t (memory.PLANNER_VIEWS), the turn (what the trajectories record)."""
-        return self.prompts["planner_user"].format(query=query, found=self.view(memory, self.tools), turn=turn, max_turns=max_turns)
+        return self.prompts["planner_user"].format(query=query, found=self.view(memory, self.tools), turn=turn,
+                                                   max_turns=max_turns)
 
     def _verify(self, live, seed) -> list[bool]:
         """v^t for each live trajectory: True = stop. After a tool with a Check the frozen model

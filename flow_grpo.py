@@ -244,8 +244,9 @@ def other_credit(trajs, g: list[int], turns: dict, mode: str, turn_scores: list 
                  normalisation changes, never which turn gets what;
       per_turn   each turn its own A_i^t = (s_i^t - mean) / (std + eps), from a score per
                  planner turn (turn_scores[i][t], judge.TURN_SCORES), the mean and std over
-                 the group's turn rows (or the estimator's advantages over them); trajectory i's `advantage` is then the mean of its
-                 turns', the turns' own in `turn_advantages`."""
+                 the group's turn rows (or train.advantage's estimator over them);
+                 trajectory i's `advantage` is then the mean of its turns', the turns' own
+                 in `turn_advantages`."""
     if mode == "turn_rows":
         A = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
         for k, a in zip(g, A):
@@ -331,8 +332,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     p = softmax(z), d log p[target] / d z = onehot(target) - p, so
         d h = ((onehot - p) * g / T) @ W,    d W = ((onehot - p) * g / T)^T @ h,
     for g the incoming gradient of each position's log-prob. The logits are computed as
-    nn.Linear does, in the model's dtype, then cast to float32 (as the plain path's
-    `.float()`); the gradient goes back through that cast as autograd's would, rounded to
+    nn.Linear does, in the model's dtype, then cast to float32 (the sampler's softmax is
+    float32 too); the gradient goes back through that cast as autograd's would, rounded to
     the model's dtype before the two products. d W is summed over chunks in float32."""
 
     @staticmethod

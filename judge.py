@@ -307,8 +307,9 @@ class LLMJudge:
 
     def verdicts(self, items: list[tuple]) -> list[tuple[bool | None, str, bool]]:
         """(verdict, reason, infra) for many (question, prediction, gold); verdict None = the
-        judge gave none, infra True = because its infrastructure failed. One generate() call for the local engine (it batches), one
-        request each for an endpoint, max_workers of them in flight."""
+        judge gave none, infra True = because its infrastructure failed. One generate() call
+        for the local engine (it batches), one request each for an endpoint, max_workers of
+        them in flight."""
         prompts = [self.prompt(q, p, g) for q, p, g in items]
         if not prompts:
             return []

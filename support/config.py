@@ -233,8 +233,8 @@ def out_of_bounds(cfg: dict, ref: dict, prefix: str = "", bounds: dict = BOUNDS)
             continue
         op, bound, why = bounds.get(name, (">=", 0, WHY_NOT_NEGATIVE.get(name, "")))
         if not {">": value > bound, ">=": value >= bound, "<": value < bound}[op]:
-            out.append(f"config key '{name}' is {value!r}; it must be {op} {bound}" + (" or auto" if name in AUTO_KEYS else "")
-                       + (f": {why}" if why else "")
+            out.append(f"config key '{name}' is {value!r}; it must be {op} {bound}"
+                       + (" or auto" if name in AUTO_KEYS else "") + (f": {why}" if why else "")
                        + f". Fix: set {name}={want!r} (the default) or another value {op} {bound}")
         if name in bounds and op == "<" and value < 0:  # an upper bound, and the >= 0 of every number
             out.append(f"config key '{name}' is {value!r}; it must be >= 0. Fix: set {name}={want!r} (the default)")
@@ -242,7 +242,8 @@ def out_of_bounds(cfg: dict, ref: dict, prefix: str = "", bounds: dict = BOUNDS)
 
 
 # Sections whose keys another file owns and checks: their values are taken as given here.
-OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward", "agent.prompts": "agentflow.prompts_with",
+OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward",
+                 "agent.prompts": "agentflow.prompts_with",
                  "train.task_shares": "preflight (against the data's task kinds)"}
 # Open mappings taken whole: an override replaces the file's (train.task_shares={} is the data's shares).
 WHOLE_MAPPINGS = {"train.task_shares"}

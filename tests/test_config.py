@@ -334,7 +334,8 @@ def test_a_half_downloaded_model_is_refused_before_loading(tiny_model_dir, tmp_p
     shutil.copytree(tiny_model_dir, folder)
     (folder / "model.safetensors").unlink()
     fails(cfg(f"model.name={folder}"), "model.name", "lacks model.safetensors", "hf download")
-    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                            "b.weight": "model-00002-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     shutil.copy(Path(tiny_model_dir) / "model.safetensors", folder / "model-00001-of-00002.safetensors")
     fails(cfg(f"model.name={folder}"), "lacks model-00002-of-00002.safetensors")

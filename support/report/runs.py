@@ -128,7 +128,8 @@ def planner_turns(traj: dict) -> list[dict]:
             line = line[5:].strip()
         tool = str(rec.get("tool") or "")
         tokens, finish = entry.get("tokens"), entry.get("finish")
-        out.append({"turn": t, "raw": raw, "prompt": str(entry.get("prompt") or ""), "tool_line": line, "tool": tool, "record": rec, "recorded": t in records,
+        out.append({"turn": t, "raw": raw, "prompt": str(entry.get("prompt") or ""),  # what the planner saw
+                    "tool_line": line, "tool": tool, "record": rec, "recorded": t in records,
                     # agentflow.parse_plan takes an exact tool name first, then any alias
                     # ("python" -> Python_Coder): a tool line without the exact name was
                     # read loosely, "Python_Corner" as Python_Coder.
