@@ -40,6 +40,7 @@ as a bare list.
 
 import cmath
 import math
+import operator
 import re
 from fractions import Fraction
 
@@ -161,6 +162,9 @@ def _tokens(t: str) -> list[tuple[str, str]]:
     return out
 
 
+_PAIRS = {"(": ")", "[": "]", "{": "}"}
+
+
 class _Parser:
     """expr := term (+|- term)* ; term := unary ((*|/|implicit) unary)* ;
     unary := (+|-) unary | power ; power := postfix (^ unary)? ; postfix := primary !* ;
@@ -173,9 +177,8 @@ class _Parser:
     def __init__(self, tokens):
         self.toks, self.i = tokens, 0
 
-    def peek(self, k=0):
-        j = self.i + k
-        return self.toks[j] if j < len(self.toks) else (None, None)
+    def peek(self):
+        return self.toks[self.i] if self.i < len(self.toks) else (None, None)
 
     def take(self):
         tok = self.peek()
@@ -281,23 +284,18 @@ class _Parser:
         if kind == "var":
             if self.peek()[1] == "_":  # x_1, a_{n}: one variable's name
                 self.take()
-                sub = self.take() if self.peek()[1] != "{" else None
-                if sub is None:
-                    self.take()
+                sub = self.take()[1]
+                if sub == "{":
                     parts = []
                     while self.peek()[1] not in ("}", None):
                         parts.append(self.take()[1])
                     self.expect("}")
-                    sub = (None, "".join(parts))
-                return ("var", f"{text}_{sub[1]}")
+                    sub = "".join(parts)
+                return ("var", f"{text}_{sub}")
             return ("var", text)
-        if text in ("(", "["):
+        if text in _PAIRS:
             node = self.expr()
-            self.expect(")" if text == "(" else "]")
-            return node
-        if text == "{":
-            node = self.expr()
-            self.expect("}")
+            self.expect(_PAIRS[text])
             return node
         if text == "|":
             node = self.expr()
@@ -306,10 +304,8 @@ class _Parser:
         if kind != "cmd":
             raise _Fail(f"unexpected {text!r}")
         name = text[1:]
-        if name in ("pi",):
-            return ("const", "pi")
-        if name in ("infty", "inf", "infinity"):
-            return ("const", "inf")
+        if name in _CONST_WORDS:
+            return ("const", _CONST_WORDS[name])
         if name in _GREEK:
             return ("var", name)
         if name == "frac":
@@ -411,6 +407,7 @@ _FN = {"sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan, "arcsin": cmath.asi
        "arctan": cmath.atan, "sinh": cmath.sinh, "cosh": cmath.cosh, "tanh": cmath.tanh,
        "sec": lambda z: 1 / cmath.cos(z), "csc": lambda z: 1 / cmath.sin(z), "cot": lambda z: 1 / cmath.tan(z),
        "ln": cmath.log, "log": cmath.log, "exp": cmath.exp}
+_ARITH = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}
 
 
 def evaluate(node, env: dict | None = None):
@@ -431,19 +428,13 @@ def evaluate(node, env: dict | None = None):
         return complex(math.pi) if node[1] == "pi" else complex(math.inf)
     if op == "neg":
         return -evaluate(node[1], env)
-    if op in ("add", "sub", "mul", "div"):
+    if op in _ARITH:
         a, b = evaluate(node[1], env), evaluate(node[2], env)
         if not (isinstance(a, Fraction) and isinstance(b, Fraction)):
             a, b = complex(a), complex(b)
-        if op == "add":
-            return a + b
-        if op == "sub":
-            return a - b
-        if op == "mul":
-            return a * b
-        if b == 0:
+        if op == "div" and b == 0:
             raise ZeroDivisionError
-        return a / b
+        return _ARITH[op](a, b)
     if op == "pow":
         if node[1] == ("var", "e"):  # e^x: exact exp, and e^0 = 1 exactly
             x = evaluate(node[2], env)
@@ -471,8 +462,6 @@ def evaluate(node, env: dict | None = None):
         return abs(x) if isinstance(x, Fraction) else complex(abs(x))
     if op == "fn":
         x = evaluate(node[2], env)
-        if node[1] == "sqrt":
-            return _pow(x, Fraction(1, 2))
         if x == 0 and node[1] in ("sin", "tan", "arcsin", "arctan", "sinh", "tanh"):
             return Fraction(0)
         if x == 0 and node[1] in ("cos", "cosh", "exp"):
@@ -523,11 +512,7 @@ def split_top(t: str, seps) -> list[str]:
     """Split at separators that sit outside every bracket (intervals mix ( and ], so any
     opener counts against any closer)."""
     parts, start, i = [], 0, 0
-    positions = []
-    for idx, depth, ch in _depth_scan(t):
-        if depth == 0:
-            positions.append(idx)
-    top = set(positions)
+    top = {idx for idx, depth, _ in _depth_scan(t) if depth == 0}
     while i < len(t):
         hit = next((s for s in seps if i in top and t.startswith(s, i)
                     and not (s.isalpha() and (i > 0 and t[i - 1].isalnum()
@@ -546,10 +531,7 @@ def _wrapped(t: str, opens: str, closes: str) -> bool:
     """t is one bracket pair around everything: "(1, 2]" yes, "(1)(2)" no."""
     if len(t) < 2 or t[0] not in opens or t[-1] not in closes:
         return False
-    for idx, depth, ch in _depth_scan(t):
-        if idx > 0 and depth == 0:
-            return False
-    return True
+    return all(idx == 0 or depth != 0 for idx, depth, _ in _depth_scan(t))
 
 
 _REL = re.compile(r"\s*(<=|>=|<|>)\s*")
@@ -641,9 +623,12 @@ def parse(text: str):
 # --- comparison ----------------------------------------------------------------------
 
 def _values(node, flags, env):
-    """The value and the ones the decoration also allows: v/100 for a percent, v*pi/180
-    for degrees (compared to a gold in radians)."""
-    v = evaluate(node, env)
+    """The value and the ones the decoration also allows: v/100 for a percent (degrees are
+    _same_scalar's), or None where the tree has no value at this point."""
+    try:
+        v = evaluate(node, env)
+    except (_Fail, ZeroDivisionError, OverflowError, ValueError):
+        return None
     out = [v]
     if flags.get("percent"):
         out.append(v / 100 if isinstance(v, Fraction) else complex(v) / 100)
@@ -677,14 +662,7 @@ def _same_scalar(p, g, g_places) -> bool:
     envs = [{}] if not vs else [{v: x + 0.1 * j for j, v in enumerate(sorted(vs))} for x in POINTS]
     agree = 0
     for env in envs:
-        try:
-            pv = _values(pt, pf, env)
-        except (_Fail, ZeroDivisionError, OverflowError, ValueError):
-            pv = None
-        try:
-            gv = _values(gt, gf, env)
-        except (_Fail, ZeroDivisionError, OverflowError, ValueError):
-            gv = None
+        pv, gv = _values(pt, pf, env), _values(gt, gf, env)
         if pv is None or gv is None:
             if pv is None and gv is None and vs:
                 continue  # both undefined at this point: no evidence either way
