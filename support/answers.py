@@ -452,16 +452,12 @@ def choice_letter(s: str, n: int | None) -> int | None:
         r"^\(([A-Z])\)\s*\S",                          # (C) Colorectal cancer
         r"^([A-Z])[.:)]\s+\S",                          # C. Colorectal cancer
     ]
-    for pat in pats:
-        m = re.match(pat, t)
-        if m:
-            idx = _LETTERS.index(m.group(1).upper())
-            if n is None or idx < n:
-                return idx
-    # "... so the correct answer is (C)." anywhere, last mention wins
-    hits = re.findall(r"(?i:answer|option|choice)\s+(?i:is\s+)?(?i:option\s+)?\(?([A-Z])\)?(?=[\s.,:;)!]|$)", t)
-    for letter in reversed(hits):
-        idx = _LETTERS.index(letter)
+    letters = [m.group(1) for m in (re.match(pat, t) for pat in pats) if m]
+    # then "... so the correct answer is (C)." anywhere, last mention first
+    anywhere = r"(?i:answer|option|choice)\s+(?i:is\s+)?(?i:option\s+)?\(?([A-Z])\)?(?=[\s.,:;)!]|$)"
+    letters += reversed(re.findall(anywhere, t))
+    for letter in letters:
+        idx = _LETTERS.index(letter.upper())
         if n is None or idx < n:
             return idx
     return None
