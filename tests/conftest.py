@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,24 +31,10 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_path) -> str:
-    """A 2-layer random Llama with SmolLM2's tokenizer and chat template, saved in HF format."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg)
-    # Default init gives near-uniform logits; a larger output scale makes greedy choices
-    # decisive (near-ties would make comparisons fragile) while sampling stays varied.
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.3)
-    out = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    """A 2-layer random Llama with SmolLM2's tokenizer and chat template, saved in HF format
+    (built as `python -m scripts.tiny_model DIR` builds it for a fork)."""
+    from scripts.tiny_model import build
+    return build(str(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="session")

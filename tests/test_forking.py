@@ -17,18 +17,33 @@ import judge
 import memory
 import tools
 import train
+from scripts import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "docs" / "FORKING.md").read_text()
 SECTIONS = re.split(r"^## ", GUIDE, flags=re.M)[1:]  # "1. Add a tool\n...", ...
 
 
+def commands(text: str) -> tuple[list[list[str]], list[str]]:
+    """(each `python -m scripts.tiny_model` line's arguments, the `python train.py` line's
+    arguments) of the bash blocks in `text`."""
+    lines = [shlex.split(line) for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+             for line in block.splitlines()]
+    builds = [words[3:] for words in lines if words[:3] == ["python", "-m", "scripts.tiny_model"]]
+    (run,) = [words[2:] for words in lines if words[:2] == ["python", "train.py"]]
+    assert len(builds) + 1 == len(lines), lines  # no command the test would leave out
+    return builds, run
+
+
 def recipe(number: int) -> tuple[dict[str, str], list[str]]:
-    """({file name: code}, the command line's arguments after `python train.py`) of recipe N."""
+    """({file name: code}, the command line's arguments after `python train.py`) of recipe N;
+    the models its `python -m scripts.tiny_model` lines build are built."""
     text = next(s for s in SECTIONS if s.startswith(f"{number}. "))
     files = dict(re.findall(r"```python file=(\S+)\n(.*?)```", text, flags=re.S))
-    (line,) = re.findall(r"```bash\n(python train\.py [^\n]*)\n```", text)
-    return files, shlex.split(line)[2:]
+    builds, run = commands(text)
+    for args in builds:
+        assert tiny_model.main(args) == 0
+    return files, run
 
 
 RECIPE_MODULES = ("my_tools", "my_rewards", "my_credit", "my_estimator", "my_view")
@@ -39,6 +54,8 @@ def fork(tmp_path, monkeypatch):
     """A working folder like the repository root: config.yaml, the data, a module path; what
     the recipes register is removed afterwards, and their modules forgotten."""
     shutil.copy(ROOT / "config.yaml", tmp_path / "config.yaml")
+    (tmp_path / "configs").mkdir()
+    shutil.copy(ROOT / "configs" / "smoke.yaml", tmp_path / "configs" / "smoke.yaml")
     (tmp_path / "data").symlink_to(ROOT / "data")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -97,14 +114,26 @@ def test_recipe_3_credit_per_turn(fork, tiny_model_dir):
     assert all(len(tr["turn_advantages"]) == tr["n_turns"] for tr in trajs)
 
 
-def test_recipe_4_a_planner_model_of_ones_own(fork, tiny_model_dir):
-    """The tiny random model (the default's tokenizer) as the planner, the default model as
-    the frozen modules."""
-    shutil.copytree(tiny_model_dir, fork / "models" / "my-planner")
+def test_recipe_4_a_planner_model_of_ones_own(fork):
+    """The recipe's tiny random model (the default's tokenizer) as the planner, the default
+    model as the frozen modules."""
     out = run_recipe(4, fork, "train.train_layers=2")
     trained = AutoModelForCausalLM.from_pretrained(out / "model")
     assert trained.config.num_hidden_layers == 2 and trained.config.hidden_size == 64  # the planner trained
     assert json.loads((out / "config.json").read_text())["model"]["name"] == "smollm2-135m"
+
+
+def test_the_tiny_model_check_runs_as_written(fork):
+    """The guide's opening check: a tiny random model built offline, the smoke config on it."""
+    builds, args = commands(GUIDE[:GUIDE.index("## 1. ")])
+    assert builds == [["models/tiny"]] and args == ["configs/smoke.yaml", "model.name=models/tiny"]
+    assert tiny_model.main(builds[0]) == 0
+    out = fork / "run"
+    assert train.main(args + [f"out_dir={out}"]) == 0
+    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in m] == [1, 2]  # the smoke config's two steps, on the tiny model
+    assert json.loads((out / "config.json").read_text())["model"]["name"] == "models/tiny"
+    assert (out / "trajectories" / "step_2.jsonl").is_file() and (out / "report.html").is_file()
 
 
 def test_recipe_5_an_advantage_estimator(fork, tiny_model_dir, monkeypatch):

@@ -80,24 +80,8 @@ def api(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_qwen2_dir(tmp_path_factory, default_model_path) -> str:
     """A 4-block random Qwen2 in bfloat16 with the project's tokenizer, saved in HF format."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.3)  # decisive greedy choices (see conftest.py)
-        for layer in model.model.layers:  # random init leaves the biases at 0: make them count
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    out = tmp_path_factory.mktemp("tiny_qwen2")
-    model.to(torch.bfloat16).save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    from scripts.tiny_model import build
+    return build(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", layers=4, dtype="bfloat16")
 
 
 def write_data(d: Path) -> tuple[Path, Path]:
