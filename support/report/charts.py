@@ -76,7 +76,9 @@ def tick_label(v: float, ticks: list[float]) -> str:
     return f"{v:,.{decimals}f}"
 
 
-def _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt=None) -> list[str]:
+def _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt=None):
+    """The plot's frame, grid, ticks and axis labels, and the two maps from data to SVG
+    coordinates: (parts, sx, sy)."""
     pw, ph = W - ML - MR, H - MT - MB
     sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
     sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
@@ -96,7 +98,7 @@ def _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt=None) -> list[str]:
     unit = f' (×10<tspan dy="-5" font-size="9">{e}</tspan><tspan dy="5"> </tspan>)' if e else ""
     out.append(f'<text transform="translate(13 {MT + ph / 2}) rotate(-90)" class="alabel" '
                f'text-anchor="middle">{esc(y_label)}{unit}</text>')
-    return out
+    return out, sx, sy
 
 
 def _scales(xs, ys, y_min, y_max, zero, x_range=None, y_cap=None):
@@ -163,10 +165,8 @@ def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=No
         return None
     x0, x1, xt, y0, y1, yt = _scales([p[0] for p in pts], [p[1] for p in pts], y_min, y_max, zero, x_range,
                                      y_cap)
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (min(max(y, y0), y1) - y0) / (y1 - y0) * ph  # noqa: E731
-    out = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt)
+    out, sx, sy_axis = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label, y_fmt)
+    sy = lambda y: sy_axis(min(max(y, y0), y1))  # noqa: E731  (a value off a fixed axis sits on its edge)
     for s in series:
         color, name = esc(s["color"]), s["name"]
         data = list(zip(s["xs"], s["ys"]))
@@ -199,11 +199,8 @@ def stacked_bar_chart(xs: list, stacks: list[dict], y_label: str, x_label: str =
     totals = [sum(num(s["ys"][i]) or 0.0 for s in stacks) for i in range(len(xs))]
     x0, x1, xt, y0, y1, yt = _scales([x - 0.5 for x in xs] + [x + 0.5 for x in xs], totals, None, None, True,
                                      x_range)
-    pw, ph = W - ML - MR, H - MT - MB
-    sx = lambda x: ML + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: MT + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
-    out = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label)
-    bw = max(1.0, 0.8 * pw / max(1.0, x1 - x0))
+    out, sx, sy = _axes(x0, x1, xt, y0, y1, yt, x_label, y_label)
+    bw = max(1.0, 0.8 * (W - ML - MR) / max(1.0, x1 - x0))
     for i, x in enumerate(xs):
         base = 0.0
         for s in stacks:
@@ -223,10 +220,9 @@ def _svg(parts: list[str], width: int = W, height: int = H) -> str:
 
 def legend(items: list[tuple[str, str, str]]) -> str:
     """items: (name, colour, style) with style 'line' | 'dash' | 'dot' | 'box'."""
-    spans = []
-    for name, color, style in items:
-        spans.append(f'<span class="key"><i class="sw {esc(style)}" style="--c:{esc(color)}"></i>{esc(name)}</span>')
-    return f'<div class="legend">{"".join(spans)}</div>'
+    spans = "".join(f'<span class="key"><i class="sw {esc(style)}" style="--c:{esc(color)}"></i>{esc(name)}</span>'
+                    for name, color, style in items)
+    return f'<div class="legend">{spans}</div>'
 
 
 def figure(title: str, svg: str | None, explain: str, keys: list[tuple[str, str, str]] | None = None,
