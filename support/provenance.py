@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from support.report.runs import read_json
+
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: its git commit is the code's version
 
@@ -86,20 +88,9 @@ def note_run(out_dir, entry: dict, **fields) -> None:
 
 
 def _save_run(path: Path, update) -> None:
-    old = _read_json(path)
+    old = read_json(path)
     processes = old.get("processes") if isinstance(old, dict) else None
     processes = update([p for p in processes or [] if isinstance(p, dict)])
     tmp = path.with_name(f".run.json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"processes": processes}, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------------------
-# Section 4: tool-usage shift per task kind
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

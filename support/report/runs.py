@@ -17,7 +17,7 @@ from support.datasets import read_jsonl
 from support.report.charts import num
 
 
-def _read_json(path: Path):
+def read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -52,7 +52,7 @@ def _evals_in(folder: Path) -> tuple[dict, dict]:
     others), each entry {"summary", "results", "dir"}."""
     by_step, others = {}, {}
     for d in sorted(folder.iterdir()) if folder.is_dir() else ():
-        summary = as_summary(_read_json(d / "summary.json")) if d.is_dir() else None
+        summary = as_summary(read_json(d / "summary.json")) if d.is_dir() else None
         if summary is None:
             continue
         entry = {"summary": summary, "results": read_jsonl(d / "results.jsonl"), "dir": d.name}
@@ -79,13 +79,13 @@ def load_run(out: Path) -> dict:
         for p in (out / "trajectories").glob("step_*.jsonl"):
             if _step_of(p.name) is not None:
                 traj_files[_step_of(p.name)] = p
-    config = _read_json(out / "config.json")
-    learning = _read_json(out / "learning.json")
+    config = read_json(out / "config.json")
+    learning = read_json(out / "learning.json")
     if isinstance(learning, dict):
         learning = {k: as_summary(v) for k, v in learning.items()}
-    run_json = _read_json(out / "run.json")
+    run_json = read_json(out / "run.json")
     processes = run_json.get("processes") if isinstance(run_json, dict) else None
-    sweep = _read_json(out / "turn_sweep.json")
+    sweep = read_json(out / "turn_sweep.json")
     run = {"dir": out, "config": config if isinstance(config, dict) else None,
            "metrics": [metrics[k] for k in sorted(metrics)], "evals": evals, "other_evals": other_evals,
            "paraphrase_evals": paraphrase_evals,
