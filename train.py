@@ -152,7 +152,7 @@ def run(cfg: dict) -> dict:
     if world.main:
         (out / "prompts.json").write_text(json.dumps(agent.system_prompts(), indent=1) + "\n")
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
-    train_items = load_benchmark(cfg["data"]["train"])
+    train_items = [item for path in cfg["data"]["train"] for item in load_benchmark(path)]
     heldout = load_benchmark(cfg["data"]["heldout"], limit=e["limit"] or None)
     # The paraphrase set (data.paraphrase): held-out entities in wordings no other file uses,
     # evaluated beside heldout before and after training only.

@@ -67,7 +67,9 @@ DEFAULTS = {
     # web_tools.py), and tools.check_toolset checks them, as it does agent.tools.
     "tools": {},
     "data": {
-        "train": "data/train.jsonl",  # JSONL rows: question, answer, kind (judge), task (optional)
+        # JSONL rows: question, answer, kind (judge), task (optional). One file, or a list of
+        # files read as one pool in order (`data.train=[a.jsonl, b.jsonl]`).
+        "train": ["data/train.jsonl"],
         "heldout": "data/heldout.jsonl",
         # Evaluated beside heldout before and after training (train.eval_before_after, eval.limit
         # and eval.* alike), never trained on: the held-out entities in wordings no other file
@@ -276,6 +278,8 @@ def merge(cfg: dict, new: dict, ref: dict, prefix: str = "", choices: dict = CHO
 
 # Keys that take "auto" beside a value of their type (decided at start, by the memory plan).
 AUTO_KEYS = {"train.micro_batch"}
+# List keys where one text stands for a list of one (a single data file).
+ONE_OR_MANY = {"data.train"}
 
 
 def _coerce(name: str, value, want, choices: dict):
@@ -287,6 +291,8 @@ def _coerce(name: str, value, want, choices: dict):
                               f"text and lists")
         value = type(want)()
     kind = type(want)
+    if name in ONE_OR_MANY and isinstance(value, str):
+        value = [value]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is float and isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
@@ -335,18 +341,22 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
     if data:
         # the paraphrase set is read only where the before/after evaluation runs
         paraphrase = ("paraphrase",) if cfg["data"]["paraphrase"] and cfg["train"]["eval_before_after"] else ()
-        for split in ("train", "heldout") + paraphrase:
-            path = cfg["data"][split]
+        files = [("data.train", path) for path in cfg["data"]["train"]]
+        files += [(f"data.{split}", cfg["data"][split]) for split in ("heldout",) + paraphrase]
+        if not cfg["data"]["train"]:
+            problems.append("data.train is empty; name the training file(s): data.train=PATH or "
+                            "data.train=[PATH, PATH]")
+        for key, path in files:
             if not Path(path).is_file():
-                problems.append(f"data.{split}: {path} not found; build the paper's mix with "
+                problems.append(f"{key}: {path} not found; build the paper's mix with "
                                 f"`python -m scripts.prepare_data train`, the offline suite with "
-                                f"`python -m scripts.make_tasks`, or set data.{split}=PATH to a JSONL file")
+                                f"`python -m scripts.make_tasks`, or set {key}=PATH to a JSONL file")
         shares = cfg["train"]["task_shares"]
-        if shares and Path(cfg["data"]["train"]).is_file():
-            kinds = _task_kinds(cfg["data"]["train"])
+        if shares and all(Path(path).is_file() for path in cfg["data"]["train"]):
+            kinds = set().union(*(_task_kinds(path) for path in cfg["data"]["train"]))
             if set(shares) != kinds:
-                problems.append(f"train.task_shares names {', '.join(sorted(shares))} but {cfg['data']['train']} "
-                                f"holds the task kinds {', '.join(sorted(kinds)) or '(none: no row has a task)'}; "
+                problems.append(f"train.task_shares names {', '.join(sorted(shares))} but data.train "
+                                f"({', '.join(cfg['data']['train'])}) holds the task kinds {', '.join(sorted(kinds)) or '(none: no row has a task)'}; "
                                 f"give each of those a weight, or set train.task_shares={{}}")
     j = cfg["judge"]
     if j["llm"] and j["base_url"]:

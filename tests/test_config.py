@@ -56,6 +56,17 @@ def test_missing_data_file_names_the_key_and_the_fix(tmp_path):
     assert len(msg.splitlines()) == 3 and "tools.corpus" in msg and "model.name" in msg
 
 
+def test_data_train_takes_one_file_or_a_list(tmp_path):
+    """One path is a list of one; a list is read as one pool; each missing file is named and
+    an empty list is refused before a model loads."""
+    one, other = str(ROOT / "data" / "train.jsonl"), str(ROOT / "data" / "heldout.jsonl")
+    assert cfg()["data"]["train"] == [one]
+    check(c := cfg(f"data.train=[{one}, {other}]"))
+    assert c["data"]["train"] == [one, other]
+    fails(cfg(f"data.train=[{one}, {tmp_path / 'gone.jsonl'}]"), "data.train", "gone.jsonl")
+    fails(cfg("data.train="), "data.train is empty", "data.train=[PATH, PATH]")
+
+
 def test_task_shares_must_name_the_data_kinds(tmp_path):
     """train.task_shares is checked against data.train's task kinds before a model loads;
     an override replaces the file's mapping (so {} goes back to the data's own shares)."""
@@ -163,8 +174,9 @@ def test_judge_endpoint_settings(monkeypatch):
 
 def test_paper_config_points_at_the_prepared_mix():
     c = load_config(str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"))
-    assert c["data"]["train"].endswith("nq_deepmath/train.jsonl")
-    if not Path(c["data"]["train"]).exists():
+    (train_file,) = c["data"]["train"]
+    assert train_file.endswith("nq_deepmath/train.jsonl")
+    if not Path(train_file).exists():
         fails(c, "data.train", "scripts.prepare_data train")
 
 

@@ -46,6 +46,19 @@ def learnable_reward(monkeypatch):
                                                                      "extracted": answer})
 
 
+def test_training_draws_from_every_file_of_data_train(tiny_model_dir, tmp_path):
+    """data.train=[a, b]: one pool, in order; a step of two queries from two one-row files
+    draws one of each."""
+    rows = (ROOT / "data" / "train.jsonl").read_text().splitlines()[:2]
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for f, row in zip(files, rows):
+        f.write_text(row + "\n")
+    run(tiny_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1", f"data.train=[{files[0]}, {files[1]}]",
+                 "train.eval_before_after=false"))
+    asked = {json.loads(line)["query"] for line in (tmp_path / "run" / "trajectories" / "step_1.jsonl").open()}
+    assert asked == {json.loads(row)["question"] for row in rows}
+
+
 def weights(path):
     return load_file(str(Path(path) / "model.safetensors"))
 

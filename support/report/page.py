@@ -566,15 +566,14 @@ def train_ids(run: dict) -> dict[str, str]:
     """question -> item id in the run's training file (when it can still be found), so
     that a query group is named by its item. trajectories/step_N.jsonl rows that carry
     an "id" field are named by it directly."""
-    path = cfg_get(run["config"], "data.train")
-    if not isinstance(path, str) or not path:
-        return {}
-    p = Path(path)
-    for candidate in ([p] if p.is_absolute() else [p, ROOT / p]):
-        if candidate.is_file() and candidate.suffix == ".jsonl":
-            return {str(r.get("question")): str(r["id"]) for r in read_jsonl(candidate)
-                    if isinstance(r, dict) and r.get("id") is not None}
-    return {}
+    paths = cfg_get(run["config"], "data.train")
+    ids = {}
+    for path in [paths] if isinstance(paths, str) else paths if isinstance(paths, list) else []:
+        p = Path(path)
+        found = [c for c in ([p] if p.is_absolute() else [p, ROOT / p]) if c.is_file() and c.suffix == ".jsonl"]
+        ids.update({str(r.get("question")): str(r["id"]) for r in read_jsonl(found[0])
+                    if isinstance(r, dict) and r.get("id") is not None} if found else {})
+    return ids
 
 
 def step_payload(path: Path, metrics_row: dict | None, G: int | None, ids: dict, max_turns) -> dict:
