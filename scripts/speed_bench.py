@@ -109,10 +109,6 @@ def clock(device: str, fn, repeat: int = 1) -> float:
     return min(times)
 
 
-def read_questions(path: str, n: int) -> list[str]:
-    return [row["question"] for row in read_jsonl(path, strict=True)][:n]
-
-
 def generate(llm: LLM, prompts: list[list[int]], new: int, seed: int = 0):
     """transformers' `generate`, left-padded, sampling exactly `new` tokens per row."""
     L = max(len(p) for p in prompts)
@@ -152,34 +148,23 @@ def throughput(llm: LLM, questions: list[str], device: str) -> dict:
         out[f"sampler_vs_generate_b{B}"] = t_hf / t_ours
         for k in ("sampler_tokens_per_s", "generate_tokens_per_s", "sampler_vs_generate"):
             show(f"{k}_b{B}", out[f"{k}_b{B}"])
-    # Then the sampler with one of its parts swapped for the generic one. Each swap is
-    # timed in turns with the sampler as shipped (versus), so a slow spell of the
-    # machine hits both sides of a ratio.
+    # Then the sampler with one of its parts swapped for the generic one (the module
+    # docstring says what each swap replaces). Each swap is timed in turns with the sampler
+    # as shipped (versus), so a slow spell of the machine hits both sides of a ratio.
     B = 32
     run_b32 = lambda: no_eos.sample(prompts[:B], params, seed=B)
-    # The model's own forward for each new token instead of engine.decode_step. b32.
     swapped(device, "decode_step", "sampler_hf_forward", B, run_b32, generic_forward)
-    # Every idea below swapped at once: what the speed work earns together. b32.
     swapped(device, "all_ideas", "sampler_generic", B, run_b32, every_idea_swapped)
-    # Prefill in groups of similar length (support.batching.length_groups) vs one
-    # left-padded batch, as `generate` runs it: what skipping the pads brings. b32, prefill only.
     t_groups, t_one = versus(device, lambda: no_eos.sample(prompts[:32], replace_new(params, 1)), one_padded_batch)
     show("prefill_one_batch_s_b32", t_one)
     show("prefill_groups_speedup_b32", t_one / t_groups)
     B = max(BATCHES)
     run_b64 = lambda: no_eos.sample(prompts[:B], params, seed=B)
-    # torch.multinomial (an exponential drawn per vocabulary entry) instead of the
-    # inverse-CDF engine.draw (one uniform per row). b64.
     swapped(device, "draw", "sampler_multinomial", B, run_b64, multinomial_draw)
-    # Each row runs its whole prompt: no shared-text groups. b64.
     swapped(device, "shared_groups", "sampler_no_shared_groups", B, run_b64, no_shared_groups)
-    # The sampler's cache is allocated once and filled in place (support.kv_cache);
-    # Hugging Face's DynamicLayer concatenates, copying the whole cache every step. b64.
     swapped(device, "kv_cache_in_place", "sampler_concat_cache", B, run_b64, concat_cache_swap)
-    # The stop rules: a row's tail decoded only after a token that can end a stop string,
-    # against after every token. A stop no row writes ("|~"), so every row runs on. b64.
-    stopped = replace_new(params, NEW)
-    stopped = SamplingParams(**{**vars(stopped), "stop": ("|~",)})
+    # A stop string no row ever writes ("|~"), so that every row still runs the full NEW tokens.
+    stopped = SamplingParams(**{**vars(params), "stop": ("|~",)})
     swapped(device, "stop_look", "sampler_tail_every_token", B,
             lambda: no_eos.sample(prompts[:B], stopped, seed=B), tail_every_token)
     return out
@@ -354,7 +339,7 @@ def main() -> None:
     header(args)
     model, tok = load_model(DEFAULT_MODEL, args.device, args.dtype)
     llm = LLM(model, tok)
-    questions = read_questions("data/heldout.jsonl", 64)
+    questions = [row["question"] for row in read_jsonl("data/heldout.jsonl", strict=True)][:64]
     t0 = time.perf_counter()
     tp = throughput(llm, questions, args.device)
     prefix_reuse(llm, questions, args.device)
