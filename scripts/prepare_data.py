@@ -114,8 +114,7 @@ class Hub:
         """The source's files on disk; None when local_only and they are not cached."""
         try:
             from huggingface_hub import snapshot_download
-            from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                                RepositoryNotFoundError)
+            from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
         except ImportError:
             raise DataError("downloading needs huggingface_hub (it comes with transformers): "
                             "pip install -r requirements.txt") from None
@@ -127,13 +126,9 @@ class Hub:
         except RepositoryNotFoundError:
             # without a token a gated repo answers 401, which reads as "not found"
             raise DataError(self._gated(src) if src.gated else f"{src.repo} was not found on the hub") from None
-        except LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and nothing cached
-            if self.local_only:
-                return None
-            raise DataError(self._offline(src, e)) from None
         except HfHubHTTPError as e:
             raise DataError(f"the hub refused {src.repo}: {cut(str(e).splitlines()[0], 200)}") from None
-        except OSError as e:  # a connection that failed some other way
+        except OSError as e:  # offline or unreachable and nothing cached (LocalEntryNotFoundError), or a failed link
             if self.local_only:
                 return None
             raise DataError(self._offline(src, e)) from None
@@ -359,10 +354,11 @@ def write(outputs: dict, dry_run: bool) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.prepare_data", description="Download the paper's training mix (NQ + DeepMath-103K) and the "
-                                 "gated GAIA / GPQA evaluation sets, and convert them to this project's "
-                                 "formats.", epilog="GAIA and GPQA are gated: accept their terms on the hub "
-                                 "and log in (hf auth login) or set HF_TOKEN.")
+    ap = argparse.ArgumentParser(prog="python -m scripts.prepare_data",
+                                 description="Download the paper's training mix (NQ + DeepMath-103K) and the gated "
+                                 "GAIA / GPQA evaluation sets, and convert them to this project's formats.",
+                                 epilog="GAIA and GPQA are gated: accept their terms on the hub and log in "
+                                 "(hf auth login) or set HF_TOKEN.")
     ap.add_argument("what", choices=("train", "gaia", "gpqa", "all"), help="which data set(s)")
     ap.add_argument("--out", default=None, help="output folder (train: data/nq_deepmath; gaia, gpqa: "
                     "data/benchmarks)")
