@@ -16,9 +16,9 @@ from support.report.runs import before_after, cfg_get, tool_shares_ba, wall_time
 from support.report.stats import change_interval, mcnemar_p, paired_change_interval, wilson
 from support.text import cut
 
-TOOL_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#7f7f7f", "#000000"]
 OKABE = {"blue": "#0072B2", "orange": "#E69F00", "green": "#009E73", "pink": "#CC79A7",
          "sky": "#56B4E9", "red": "#D55E00", "grey": "#7f7f7f"}
+TOOL_COLORS = list(OKABE.values()) + ["#000000"]
 RUN_COLORS = list(OKABE.values())  # one per run on a comparison page, in the order given
 ASSETS = Path(__file__).resolve().parent  # report.css and report.js, inlined into every page
 SUB = ' class="sub"'  # an indented row header (a task kind under its total)
@@ -64,14 +64,11 @@ def tool_colors(run: dict) -> dict[str, str]:
     """One colour per tool, the same in every chart of a report: by the configured order
     (agent.tools), then any other tool seen, by name; runs with the same toolset share them."""
     names = [str(t) for t in cfg_get(run["config"], "agent.tools", []) or []]
-    seen = set()
-    for m in run["metrics"]:
-        seen |= set((m.get("tool_shares") or {}).keys())
+    seen = {t for m in run["metrics"] for t in m.get("tool_shares") or {}}
     for e in list(run["evals"].values()) + [v for v in (run["learning"] or {}).values() if isinstance(v, dict)]:
         s = e.get("summary", e)
-        seen |= set((s.get("tool_shares") or {}).keys())
-        for k in (s.get("by_kind") or {}).values():
-            seen |= set((k.get("tool_shares") or {}).keys())
+        for summary in [s] + list((s.get("by_kind") or {}).values()):
+            seen |= set(summary.get("tool_shares") or {})
     names += sorted(str(t) for t in seen if str(t) not in names)
     return {t: TOOL_COLORS[i % len(TOOL_COLORS)] for i, t in enumerate(names)}
 
@@ -201,23 +198,23 @@ def header_warnings(run: dict) -> list[str]:
 
 def tool_shift_figure(run: dict, title: str = "Tool shares before vs after, per task kind") -> str:
     sb, sa, how = tool_shares_ba(run)
-    colors = dict(tool_colors(run))
-    for d in (sb or {}, sa or {}):  # a tool seen only in eval rows still gets a colour
-        for shares in d.values():
-            for t in shares:
-                colors.setdefault(t, TOOL_COLORS[len(colors) % len(TOOL_COLORS)])
+    sb, sa = sb or {}, sa or {}
+    colors = tool_colors(run)
+    for shares in list(sb.values()) + list(sa.values()):  # a tool seen only in eval rows still gets a colour
+        for t in shares:
+            colors.setdefault(t, TOOL_COLORS[len(colors) % len(TOOL_COLORS)])
     b, a, *_ = before_after(run)
     b, a = b or {}, a or {}
     acc = {"all": (num(b.get("accuracy")), num(a.get("accuracy")))}
     for k in set(b.get("by_kind") or {}) | set(a.get("by_kind") or {}):
         acc[k] = (num((b.get("by_kind") or {}).get(k, {}).get("accuracy")),
                   num((a.get("by_kind") or {}).get(k, {}).get("accuracy")))
-    svg = shift_chart(sb or {}, sa or {}, colors, acc) if (sb or sa) else None
+    svg = shift_chart(sb, sa, colors, acc)
     if svg is None:
         why = ("no held-out evaluation in this folder yet" if not (sb or sa)
                else "the evaluations recorded no tool calls")
         return figure(title, None, "", missing=why)
-    used = [t for t in colors if any(t in s for d in (sb or {}, sa or {}) for s in d.values())]
+    used = [t for t in colors if any(t in s for d in (sb, sa) for s in d.values())]
     return figure(title, svg, f"Each bar splits 100% of the held-out tool calls of one task kind ({esc(how)}); "
                   "hover a segment for the exact share and call count. Under each kind: its held-out accuracy "
                   "before → after." + ("" if sa else " <b>No after-training evaluation yet.</b>")
