@@ -74,11 +74,8 @@ def load_run(out: Path) -> dict:
             metrics[row["step"]] = row  # a resumed run may repeat a step: the last row wins
     evals, other_evals = _evals_in(out / "eval")  # train.py's held-out ones by step (0 = before); eval.py's
     paraphrase_evals, _ = _evals_in(out / "eval" / "paraphrase")  # train.py's, on data.paraphrase
-    traj_files = {}
-    if (out / "trajectories").is_dir():
-        for p in (out / "trajectories").glob("step_*.jsonl"):
-            if _step_of(p.name) is not None:
-                traj_files[_step_of(p.name)] = p
+    traj_files = {_step_of(p.name): p for p in (out / "trajectories").glob("step_*.jsonl")
+                  if _step_of(p.name) is not None}
     config = read_json(out / "config.json")
     learning = read_json(out / "learning.json")
     if isinstance(learning, dict):
@@ -232,10 +229,8 @@ def before_after(run: dict) -> tuple[dict | None, dict | None, list | None, list
     last_step = max((s for s in evals if s > 0), default=None)
     last = evals.get(last_step) if last_step is not None else None
     learning = run["learning"] or {}
-    b, a = learning.get("before"), learning.get("after")
-    if isinstance(b, dict) or isinstance(a, dict):
-        b = b if isinstance(b, dict) else None
-        a = a if isinstance(a, dict) else None
+    b, a = learning.get("before"), learning.get("after")  # summaries or None (as_summary)
+    if b is not None or a is not None:
         same = lambda s, e: bool(s and e and s.get("n") == e["summary"].get("n")  # noqa: E731
                                  and s.get("accuracy") == e["summary"].get("accuracy"))
         return (b, a, first["results"] if same(b, first) else None,
@@ -261,8 +256,8 @@ def accuracy_rows(b: dict, a: dict, br: list | None, ar: list | None) -> list[di
             if isinstance(n, int) and acc is not None:
                 row[side] = (round(acc * n), n)  # accuracy = correct / n, so this is the count
         if br and ar:
-            before = {r.get("id"): bool(r.get("correct")) for r in br if kind in ("all", r.get("task"))}
-            after = {r.get("id"): bool(r.get("correct")) for r in ar if kind in ("all", r.get("task"))}
+            before, after = ({r.get("id"): bool(r.get("correct")) for r in rows if kind in ("all", r.get("task"))}
+                             for rows in (br, ar))
             common = set(before) & set(after)
             cells = Counter((before[i], after[i]) for i in common)
             row["paired"] = {"both": cells[(True, True)], "gained": cells[(False, True)],
@@ -287,10 +282,8 @@ def shares_from_results(rows: list[dict]) -> dict[str, dict[str, tuple[float, in
 
 
 def shares_from_summary(s: dict) -> dict[str, dict[str, tuple[float, int | None]]]:
-    out = {"all": {t: (v, None) for t, v in (s.get("tool_shares") or {}).items()}}
-    for kind, k in (s.get("by_kind") or {}).items():
-        out[kind] = {t: (v, None) for t, v in (k.get("tool_shares") or {}).items()}
-    return out
+    parts = {"all": s, **(s.get("by_kind") or {})}
+    return {kind: {t: (v, None) for t, v in (k.get("tool_shares") or {}).items()} for kind, k in parts.items()}
 
 
 def tool_shares_ba(run) -> tuple[dict | None, dict | None, str]:
