@@ -343,10 +343,12 @@ class ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(M, dtype=torch.float32, device=h.device)  # [M]
         for start in range(0, M, chunk):
             end = start + chunk
-            z = F.linear(h[start:end], weight, bias).float() / temperature  # [c, V]
-            log_p = torch.log_softmax(z, dim=-1)  # [c, V]
+            # z = h W^T / T is not kept: the log-softmax, its exp and their product (the
+            # entropy's terms) are all a chunk holds at once (device_memory.chunk_bytes_per_logit)
+            log_p = torch.log_softmax(F.linear(h[start:end], weight, bias).float() / temperature, dim=-1)  # [c, V]
             logp[start:end] = log_p.gather(-1, targets[start:end, None])[:, 0]
             entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+            del log_p
         ctx.save_for_backward(h, weight, bias, targets)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -375,6 +377,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_w += (d_logits.t() @ h_chunk).float()  # [V, d]
             if want_b:
                 grad_b += d_logits.float().sum(0)
+            del z, dz, d_logits  # [c, V] each: gone before the next chunk makes its own
         return (grad_h, grad_w.to(weight.dtype) if want_w else None, grad_b.to(bias.dtype) if want_b else None,
                 None, None, None)
 

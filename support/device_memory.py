@@ -192,6 +192,16 @@ def transient_per_token_layer(shape: Shape, s: int) -> int:
     return s * (4 * h + 3 * I) + 8 * h
 
 
+# What one chunk of flow_grpo.ChunkedLogprobs holds at once, per position and vocabulary
+# entry, for weights of `s` bytes: the forward, the float32 log-softmax, its exp and their
+# product (the entropy's terms); the backward, the float32 logits, the softmax times the
+# incoming gradient, that over the temperature (all float32) and its cast to the weights'
+# dtype (no copy in float32). tests/test_memory_plan.py counts the live temporaries of both
+# against this.
+def chunk_bytes_per_logit(s: int) -> int:
+    return 12 + (s if s < 4 else 0)
+
+
 SLACK = 0.03  # of the budget: what the allocator may hold beyond the tensors (train.py enables expandable segments)
 
 
@@ -277,7 +287,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
          saved, "train.micro_batch, train.train_layers"))
     add(("  + one layer's backward or the reference's forward, the 4-D mask", transient + mask, ""))
     chunk = min(logits_chunk, micro_batch * planner_new)
-    logits = chunk * shape.vocab * (12 + s)  # one chunk: logits (s), float32 z, log-softmax, exp (or softmax, d z)
+    logits = chunk * shape.vocab * chunk_bytes_per_logit(s)
     add((f"  + the logits of one chunk: {chunk} positions x {shape.vocab}", logits, "train.logits_chunk"))
     # After the backward pass, with the activations gone: torch's foreach AdamW makes one
     # fp32 temporary the size of the trained weights (sqrt of the second moment).

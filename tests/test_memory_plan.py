@@ -3,9 +3,13 @@ weights, no network), 32 queries x 8 rollouts, 2,048-token prompts and actions, 
 80 GB and a 141 GB card; refusals name the knob; the CPU default has no limit."""
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import train
 from support.config import ConfigError, load_config
@@ -182,6 +186,51 @@ def test_the_update_activations_bound_what_autograd_saves(dtype):
     shape = model_shape(cfg, 2)
     planned = 2 * saved_per_token_layer(shape, s, L) + (4 + s) * shape.hidden  # as make_plan counts them
     assert measured <= planned <= 1.2 * measured, (measured, planned)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors the ops under it create while they are referenced;
+    `peak` is the most a function's temporaries held at once. Views and in-place results
+    share an input's storage and are not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                nbytes = t.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.free, nbytes)
+        return out
+
+    def free(self, nbytes):
+        self.live -= nbytes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_logits_chunk_bounds_its_temporaries(dtype):
+    """The plan's logits term, counted for real: the live temporaries of ChunkedLogprobs'
+    forward (log-probs and entropies) and backward are within chunk x V x
+    chunk_bytes_per_logit, and that figure is not loose by more than a tenth."""
+    from flow_grpo import ChunkedLogprobs
+    from support.device_memory import chunk_bytes_per_logit
+
+    M, d, V, chunk = 48, 32, 4096, 16
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    h = torch.randn(M, d, dtype=dt, requires_grad=True)
+    weight, targets = (torch.randn(V, d) * 0.1).to(dt), torch.randint(0, V, (M,))
+    with LiveBytes() as mem:
+        logp, entropy = ChunkedLogprobs.apply(h, weight, None, targets, 0.7, chunk)
+        logp.sum().backward()
+    planned = chunk * V * chunk_bytes_per_logit(torch.finfo(dt).bits // 8)
+    beside = 4 * M * d * 4 + 8 * M * 4  # h's gradient and its copies, the [M] outputs: not per logit
+    assert 0.9 * planned <= mem.peak <= planned + beside, (mem.peak, planned)
 
 
 def test_the_7b_config_is_planned_offline(monkeypatch, capsys):
