@@ -229,10 +229,7 @@ def _name_maker(rng):
 def _make_entity(rng, etype, new_name, regions):
     """One invented entity: its name, fact values, and its corpus passage."""
     spec = ENTITY_TYPES[etype]
-    if etype == "writer":
-        name = new_name() + " " + new_name()
-    else:
-        name = new_name()
+    name = new_name() + " " + new_name() if etype == "writer" else new_name()
     facts = {key: rng.randint(lo, hi) for key, (lo, hi) in spec["ranges"].items()}
     opener = rng.choice(spec["opener"]).format(n=name, r=rng.choice(regions))
     text = opener + " " + spec["facts"].format(n=name, **facts)
@@ -349,25 +346,19 @@ def generate(seed: int = 0) -> dict:
     # Entities per type, split into train / heldout / distractor pools.
     by_type = {t: [_make_entity(rng, t, new_name, regions) for _ in range(ENTITIES_PER_TYPE)]
                for t in TYPE_ORDER}
-    train_ents, pools = [], {}
-    for t in TYPE_ORDER:
-        train_ents += by_type[t][:TRAIN_ENTITIES_PER_TYPE]
-        pools[t] = by_type[t][TRAIN_ENTITIES_PER_TYPE:]
+    train_ents = [e for t in TYPE_ORDER for e in by_type[t][:TRAIN_ENTITIES_PER_TYPE]]
     # Heldout entities round-robin over types, so every type is tested; each
     # heldout entity gets exactly one question.
-    n_heldout_ents = HELDOUT_COUNTS["lookup"] + HELDOUT_COUNTS["two_step"]
-    heldout_ents = [pools[TYPE_ORDER[i % len(TYPE_ORDER)]][i // len(TYPE_ORDER)]
-                    for i in range(n_heldout_ents)]
+    heldout_ents = [by_type[TYPE_ORDER[i % len(TYPE_ORDER)]][TRAIN_ENTITIES_PER_TYPE + i // len(TYPE_ORDER)]
+                    for i in range(HELDOUT_COUNTS["lookup"] + HELDOUT_COUNTS["two_step"])]
     # Whatever is left over is a distractor: in the corpus, never asked about.
 
     seen = set()  # every question asked so far, over both splits (membership only)
 
     def add(rows, row):
-        if row["question"] in seen:
-            return False
-        seen.add(row["question"])
-        rows.append(row)
-        return True
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
 
     # Train: lookup questions over (entity, fact) pairs, so both facts of an
     # entity may be asked; two_step over the quantity fact of sampled entities.
