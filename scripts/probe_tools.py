@@ -39,8 +39,7 @@ def first_tool_probs(agent, queries: list[str], max_turns: int | None = None, ba
     """pi_theta's choice of the first tool, read off without sampling: for each query's
     turn-1 state (empty memory), the softmax at temperature 1 over the first tokens of
     the tool names, the restriction the sampler applies to the action's first token.
-    [n, K], columns in agent.tool_names order; the greedy planner takes the argmax.
-    A diagnostic (--tool-probs): how far a question is from its tool decision."""
+    [n, K], columns in agent.tool_names order; the greedy planner takes the argmax."""
     T_max = max_turns or agent.cfg.max_turns
     tokens = [agent.first_token[n] for n in agent.tool_names]  # [K]
     if len(set(tokens)) < len(tokens):
@@ -56,10 +55,9 @@ def first_tool_probs(agent, queries: list[str], max_turns: int | None = None, ba
 
 
 def tool_probs(planners: dict, items: list[Item], max_turns: int) -> dict:
-    """Each planner's turn-1 distribution over the tools (first_tool_probs), per
-    task kind: the mean probability of each tool and the share of questions where it is the
-    greedy choice. What the held-out accuracy hides: a question decided at 0.51 and one at
-    0.99 look the same there. {"tools", "planners": {label: {kind: {...}}}, "items": [...]}"""
+    """Each planner's turn-1 distribution over the tools (first_tool_probs), per task kind:
+    the mean probability of each tool and the share of questions where it is the greedy
+    choice. {"tools", "planners": {label: {kind: {...}}}, "items": [...]}"""
     kinds = sorted({it.meta.get("task") or "all" for it in items})
     result = {"tools": [], "planners": {}, "items": [{"id": it.id, "task": it.meta.get("task", "")} for it in items]}
     for label, agent in planners.items():
@@ -226,13 +224,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg, items, out = evaluation.load_run(args)
+        pair = tuple(n.strip() for n in args.tool_gradients.split(",")) if args.tool_gradients else ()
+        if pair and (len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(cfg["agent"]["tools"])):
+            raise ValueError(f"--tool-gradients takes two different tools of agent.tools "
+                             f"({', '.join(cfg['agent']['tools'])}) as A,B; got {args.tool_gradients!r}")
+        if args.check and "Local_Search" not in cfg["agent"]["tools"]:
+            raise ValueError("--check asks the check after Local_Search, which agent.tools lacks")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    pair = tuple(n.strip() for n in args.tool_gradients.split(",")) if args.tool_gradients else ()
-    if pair and (len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(cfg["agent"]["tools"])):
-        print(f"error: --tool-gradients takes two different tools of agent.tools "
-              f"({', '.join(cfg['agent']['tools'])}) as A,B; got {args.tool_gradients!r}", file=sys.stderr)
         return 2
     try:
         agent = evaluation.build_agent(cfg, args.model)
@@ -243,9 +242,6 @@ def main(argv=None) -> int:
     max_turns = args.max_turns or cfg["eval"]["max_turns"]
     Path(out).mkdir(parents=True, exist_ok=True)
     if args.check:
-        if "Local_Search" not in agent.tools:
-            print("error: --check asks the check after Local_Search, which agent.tools lacks", file=sys.stderr)
-            return 2
         result = check_accuracy(agent, items)
         print_check(result)
         name = "check.json"
