@@ -129,6 +129,7 @@ class Plan:
     # one beside the export.
     checkpoint_bytes: float = 0.0
     export_bytes: float = 0.0
+    evaluation: list[str] = field(default_factory=list)  # what the held-out evaluations cost (evaluation_cost)
 
     @property
     def disk_bytes(self) -> float:
@@ -157,7 +158,7 @@ class Plan:
         out.append(f"disk: a checkpoint {self.checkpoint_bytes / GB:.2f} GB (the trained weights in fp32, AdamW's "
                    f"moments), the final export {self.export_bytes / GB:.2f} GB (the whole model); out_dir needs "
                    f"{self.disk_bytes / GB:.2f} GB free")
-        return "\n".join(out)
+        return "\n".join(out + self.evaluation)
 
     @contextmanager
     def guard(self, where: str):
@@ -434,18 +435,59 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
         eval_rows=e["batch_size"], micro_batch=micro_batch, prefill_tokens=m["prefill_tokens"],
         logits_chunk=t["logits_chunk"], frozen=frozen)
     if t["micro_batch"] != "auto":
-        return plan(t["micro_batch"])
-    if budget is None:  # nothing to fit
-        return plan(AUTO_MICRO_BATCH)
-    # The most rows per update forward that fit beside the resident memory (the update's
-    # peak grows with them; the sampler's does not), up to AUTO_MICRO_BATCH.
-    best = plan(1)
-    for rows in range(2, AUTO_MICRO_BATCH + 1):
-        bigger = plan(rows)
-        if not bigger.fits:
-            break
-        best = bigger
+        best = plan(t["micro_batch"])
+    elif budget is None:  # nothing to fit
+        best = plan(AUTO_MICRO_BATCH)
+    else:
+        # The most rows per update forward that fit beside the resident memory (the update's
+        # peak grows with them; the sampler's does not), up to AUTO_MICRO_BATCH.
+        best = plan(1)
+        for rows in range(2, AUTO_MICRO_BATCH + 1):
+            bigger = plan(rows)
+            if not bigger.fits:
+                break
+            best = bigger
+    best.evaluation = evaluation_cost(cfg, best, ranks)
     return best
+
+
+# A decode step reads every weight once, so its time grows with their bytes: an H200 stepped
+# the 7B shape (15.2 GB in bf16, 85 rows, the decode graph) at about 21 ms
+# (docs/gpu/gpu_check_h200_2026-12-04.txt: 2,479 tokens/s eagerly, 1.61x that replayed).
+# An H100's memory is about 1.4x slower.
+CUDA_DECODE_S_PER_WEIGHT_GB = 0.021 / 15.23
+
+
+def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> list[str]:
+    """The held-out evaluations a run makes, their size and, on CUDA, their time at most:
+    every row takes every turn and every module its max_new_tokens (rows that stop early,
+    and the tools' own time, are not counted)."""
+    t, e, a = cfg["train"], cfg["eval"], cfg["agent"]
+    times = 2 * t["eval_before_after"] + ((t["steps"] - 1) // t["eval_every"] if t["eval_every"] else 0)
+    if not times:
+        return ["evaluation: none (train.eval_before_after false, train.eval_every 0)"]
+    path = Path(cfg["data"]["heldout"])
+    if not path.is_file() and not e["limit"]:
+        return [f"evaluation: every row of data.heldout ({path}: not found here), {times} times"]
+    items = sum(1 for line in path.open() if line.strip()) if path.is_file() else e["limit"]
+    items = min(items, e["limit"] or items)
+    rounds = -(-items // (e["batch_size"] * ranks))  # each rank runs a batch a round
+    sub_batches = -(-e["batch_size"] // plan.rows_per_sub_batch) if plan.rows_per_sub_batch else 1
+    steps = rounds * sub_batches * (e["max_turns"] * sum(a[k]["max_new_tokens"] for k in ("planner", "executor",
+                                                                                        "verifier"))
+                                    + a["generator"]["max_new_tokens"])
+    out = [f"evaluation: {items} held-out items (eval.limit, data.heldout) in batches of {e['batch_size']} "
+           f"(eval.batch_size) at up to {e['max_turns']} turns (eval.max_turns), {times} times "
+           f"(train.eval_before_after: before and after; train.eval_every: between)"
+           + (", data.paraphrase's items beside them before and after" if cfg["data"]["paraphrase"]
+              and t["eval_before_after"] else ""),
+           f"  each: at most {steps:,} decode steps (turns x the planner's, executor's and verifier's "
+           f"max_new_tokens + the generator's, a sub-batch at a time)"]
+    if plan.device == "cuda":
+        minutes = steps * CUDA_DECODE_S_PER_WEIGHT_GB * plan.items[0][1] / GB / 60
+        out[-1] += (f": about {minutes:.0f} min on an H200 ({times * minutes:.0f} in all), {1.4 * minutes:.0f} on "
+                    f"an H100, tools' time aside; the first runs before step 1")
+    return out
 
 
 # train.micro_batch: auto stops here: past a few thousand tokens per forward a GPU is busy

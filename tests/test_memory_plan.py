@@ -250,3 +250,22 @@ def test_the_7b_config_is_planned_offline(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "Qwen/Qwen2.5-7B-Instruct in bfloat16 on cuda, budget 80.0 GB" in out and "fits" in out
     assert "7.62B parameters" in out  # the kept architecture is Qwen2.5-7B's
+
+
+def test_the_plan_states_what_the_evaluations_cost():
+    """The 7B config's evaluations in the plan: 200 items in 4 batches of 64 at up to 10 turns,
+    before, after and every 10 of 60 steps; each row at most 10 x (256 + 512 + 1) + 512 decode
+    steps a sub-batch, and a time on CUDA; an evaluation switched off says so."""
+    cfg = load_config(str(SEVEN_B), ["model.memory_gb=80"])
+    p = plan_for(cfg)
+    sub_batches = -(-64 // p.rows_per_sub_batch)
+    first, each = p.evaluation
+    assert "200 held-out items" in first and "batches of 64" in first and "up to 10 turns" in first
+    assert "7 times" in first  # before, after, and after steps 10, 20, 30, 40, 50 (60 is "after")
+    assert f"at most {4 * sub_batches * (10 * (256 + 512 + 1) + 512):,} decode steps" in each
+    assert "min on an H200" in each and each in p.text()
+    limited = plan_for(load_config(str(SEVEN_B), ["model.memory_gb=80", "eval.limit=64", "eval.max_turns=3"]))
+    assert f"at most {sub_batches * (3 * (256 + 512 + 1) + 512):,} decode steps" in limited.evaluation[1]
+    off = plan_for(load_config(str(SEVEN_B), ["model.memory_gb=80", "train.eval_before_after=false",
+                                              "train.eval_every=0"]))
+    assert off.evaluation == ["evaluation: none (train.eval_before_after false, train.eval_every 0)"]
