@@ -347,12 +347,8 @@ while time.monotonic() < give_up:
     except ChildProcessError:
         break
 outcome = {"timed_out": timed_out, "status": None if timed_out or namespaces else status}
-lines = b""
-while True:  # every writer is gone: A and B have exited or exec'd
-    chunk = os.read(r, 65536)
-    if not chunk:
-        break
-    lines += chunk
+with os.fdopen(r, "rb") as pipe:  # read to the end: every writer is gone, A and B have exited or exec'd
+    lines = pipe.read()
 for line in lines.splitlines():
     outcome.update(json.loads(line))
 os.write(report, json.dumps(outcome).encode())
