@@ -178,12 +178,12 @@ def curve_figure(row: tuple, entries: list[tuple], x_range) -> str:
     its series differ by dash."""
     title, y_label, axis, specs, explain = row
     multi = len(entries) > 1
-    drawn, keys, stacks = [], [], []
+    drawn, keys, stacks, grey_keys = [], [], [], {}
     for run, vals, facts, label, run_color in entries:
-        series = expand_series(run, specs, vals)
-        for i, (key, name, color, style) in enumerate(series):
+        for i, (key, name, color, style) in enumerate(expand_series(run, specs, vals)):
             xs = sorted(vals[key])
             ys = [vals[key][x] for x in xs]
+            grey_keys.setdefault(name, "dot" if style == "points" else DASHES[i % len(DASHES)][1])
             if style == "box" and not multi:
                 stacks.append({"name": name, "color": color, "ys": ys, "xs": xs})
                 continue
@@ -196,13 +196,8 @@ def curve_figure(row: tuple, entries: list[tuple], x_range) -> str:
                 keys.append((name, color, "dot" if style == "points" else style))
         if multi:
             keys.append((label, run_color, "line"))
-    if multi:  # then one key per series, in grey, with its dash (the same in every run)
-        names = {}
-        for run, vals, *_ in entries:
-            for i, (_, n, _, s) in enumerate(expand_series(run, specs, vals)):
-                names.setdefault(n, "dot" if s == "points" else DASHES[i % len(DASHES)][1])
-        if len(names) > 1:
-            keys += [(n, "#555", style) for n, style in names.items()]
+    if multi and len(grey_keys) > 1:  # then one key per series, in grey, with its dash (the same in every run)
+        keys += [(n, "#555", style) for n, style in grey_keys.items()]
     facts = entries[0][2]
     missing = f"metrics.jsonl has no '{specs[0][0].split(':')[0].replace('tool_share', 'tool_shares')}'"
     if stacks:
