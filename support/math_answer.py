@@ -70,6 +70,8 @@ FUNCTIONS = ("arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "sin", "cos",
 _GREEK = ("alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
           "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "phi", "varphi", "chi", "psi", "omega")
 _CONST_WORDS = {"pi": "pi", "infty": "inf", "inf": "inf", "infinity": "inf"}
+_COMMANDS = ((r"\\[dtc]frac", r"\\frac"), (r"\\[dt]binom", r"\\binom"), (r"\\(?:times|cdot)", "*"), (r"\\div", "/"),
+             (r"\\(?:leq?|leqslant)", " <= "), (r"\\(?:geq?|geqslant)", " >= "), (r"\\lt", " < "), (r"\\gt", " > "))
 
 
 def clean(text: str) -> tuple[str, dict]:
@@ -90,15 +92,9 @@ def clean(text: str) -> tuple[str, dict]:
         t = t.replace(a, " ")
     t = t.replace("\x00", "\\\\")
     t = t.replace("{,}", "")                                  # 1{,}000: LaTeX thousands grouping
-    t = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", t)
-    t = re.sub(r"\\[dt]binom(?![A-Za-z])", r"\\binom", t)
+    for command, new in _COMMANDS:
+        t = re.sub(command + r"(?![A-Za-z])", new, t)  # the whole command: \lt, not \ltimes
     t = re.sub(r"\\mathbb\s*\{?\s*R\s*\}?", r"\\reals ", t)
-    t = re.sub(r"\\(?:times|cdot)(?![A-Za-z])", "*", t)
-    t = re.sub(r"\\div(?![A-Za-z])", "/", t)
-    t = re.sub(r"\\(?:leq?|leqslant)(?![A-Za-z])", " <= ", t)
-    t = re.sub(r"\\(?:geq?|geqslant)(?![A-Za-z])", " >= ", t)
-    t = re.sub(r"\\lt(?![A-Za-z])", " < ", t)
-    t = re.sub(r"\\gt(?![A-Za-z])", " > ", t)
     t = re.sub(r"^\s*(?:\\approx|\\sim|≈)\s*", "", t)
     # degrees: 90^\circ, 90^{\circ}, 90\circ, "90 degrees"
     t, n = re.subn(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ", "", t)
