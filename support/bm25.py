@@ -358,12 +358,3 @@ class DiskBM25:
         scores = self._score(cand, terms)
         best = np.lexsort((cand, -scores))[:k]  # by score descending, then document ascending
         return [(int(cand[i]), float(scores[i])) for i in best]
-
-    def scores_all(self, query: str) -> dict[int, float]:
-        """Every document sharing a word with the query, scored without pruning (the check
-        that top() prunes nothing it should keep)."""
-        terms = self._terms(query)
-        if not terms:
-            return {}
-        cand = np.unique(np.concatenate([np.asarray(self.docs[lo:hi], dtype=np.int64) for lo, hi, _ in terms]))
-        return dict(zip(cand.tolist(), self._score(cand, terms).tolist()))
