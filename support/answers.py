@@ -146,9 +146,8 @@ def _clean_number_text(s: str) -> str:
     if boxed is not None:
         t = boxed
     t = t.replace("\\$", "").replace("$", "").replace("\\%", "%")
-    for a in ("\\(", "\\)", "\\[", "\\]", "\\left", "\\right", "\\displaystyle"):
-        t = t.replace(a, "")
-    for a in ("\\!", "\\,", "\\;", "\\:", "~"):  # LaTeX thin spaces, used as thousands separators
+    # delimiters, and LaTeX thin spaces (used as thousands separators)
+    for a in ("\\(", "\\)", "\\[", "\\]", "\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "~"):
         t = t.replace(a, "")
     t = t.replace("\\ ", " ").replace("{,}", ",").replace("\u2212", "-")
     t = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|°", "", t)  # degrees: 90^\circ -> 90
@@ -307,9 +306,8 @@ def _g24_normalize(expr: str) -> str:
     t = str(expr)
     t = re.sub(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"((\1)/(\2))", t)
     for a, b in (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("\\left", ""), ("\\right", ""),
-                 ("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", ""), ("$", "")):
-        t = t.replace(a, b)
-    for a, b in (("×", "*"), ("∗", "*"), ("·", "*"), ("x", "*"), ("X", "*"), ("÷", "/"),
+                 ("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", ""), ("$", ""),
+                 ("×", "*"), ("∗", "*"), ("·", "*"), ("x", "*"), ("X", "*"), ("÷", "/"),
                  ("−", "-"), ("–", "-"), ("[", "("), ("]", ")"), ("{", "("), ("}", ")")):
         t = t.replace(a, b)
     return t.strip()
