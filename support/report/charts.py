@@ -173,19 +173,18 @@ def line_chart(series: list[dict], y_label: str, x_label: str = "step", y_min=No
         present = [(x, y) for x, y in data if y is not None]
         pattern = s.get("dash")
         dash = f' stroke-dasharray="{esc("6 4" if pattern is True else pattern)}"' if pattern else ""
-        if s.get("points"):
-            pass
-        elif len(present) > SMOOTH_FROM:
+        points = s.get("points")
+        if not points and len(present) > SMOOTH_FROM:
             out += _polylines(data, sx, sy, f'stroke="{color}" stroke-width="1" stroke-opacity="0.35"')
             smooth = moving_average(list(s["ys"]), smooth_window(len(present)))
             out += _polylines(list(zip(s["xs"], smooth)), sx, sy, f'stroke="{color}" stroke-width="2.2"{dash}')
-        else:
+        elif not points:
             out += _polylines(data, sx, sy, f'stroke="{color}" stroke-width="2"{dash}')
-        if s.get("points") or len(present) <= SMOOTH_FROM:  # dots with a hover tooltip
-            r = 4.5 if s.get("points") else (2.5 if len(present) > 1 else 3.5)
+        if points or len(present) <= SMOOTH_FROM:  # dots with a hover tooltip
+            r = 4.5 if points else (2.5 if len(present) > 1 else 3.5)
             for x, y in present:
                 tip = f"{name}, {x_label} {x:g}: {y:.4g}"
-                fill = "#fff" if s.get("points") else color
+                fill = "#fff" if points else color
                 out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{fill}" stroke="{color}" '
                            f'stroke-width="2"><title>{esc(tip)}</title></circle>')
     return _svg(out)
