@@ -144,6 +144,11 @@ class Tool:
         return (f"agent.tools: {cls.name} needs {' and '.join(missing)} in the environment; "
                 f"export {missing[0]}=..., or drop {cls.name} from agent.tools")
 
+    def lane(self, command: str) -> str | None:
+        """The name of a service that takes one request at a time, if this call goes to one:
+        run_tool_calls runs the calls of one lane in series, on a thread of their own."""
+        return None
+
     def run(self, command: str) -> ToolResult:
         if self.cache is None:
             return self._call(command)
@@ -457,7 +462,10 @@ def build_tools(names: list[str], cfg: dict | None = None) -> dict[str, Tool]:
 
 def run_tool_calls(calls: list[tuple[Tool, str]], max_workers: int = 8) -> list[ToolResult]:
     """Run (tool, command) pairs concurrently; results in input order. Threads are
-    enough: the slow parts (sandbox subprocesses, HTTP) release the GIL."""
+    enough: the slow parts (sandbox subprocesses, HTTP) release the GIL. The calls of a
+    lane (Tool.lane: Wikimedia asks for one request at a time) run in series on a thread of
+    their own: waiting for their turn never holds one of the `max_workers` threads that
+    every other call shares."""
     if not calls:
         return []
 
@@ -469,5 +477,17 @@ def run_tool_calls(calls: list[tuple[Tool, str]], max_workers: int = 8) -> list[
             name = getattr(tool, "name", type(tool).__name__)
             return ToolResult(output="", error=f"{name} raised {type(e).__name__}: {e}"[:300])
 
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(calls)))) as pool:
-        return list(pool.map(one, calls))
+    lanes: dict[str, list[int]] = {}  # lane -> its calls, in order
+    shared = []
+    for i, (tool, command) in enumerate(calls):
+        lane = tool.lane(command)
+        (lanes.setdefault(lane, []) if lane else shared).append(i)
+    with (ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(shared)))) as pool,
+          ThreadPoolExecutor(max_workers=max(1, len(lanes))) as lane_threads):
+        done = {i: pool.submit(one, calls[i]) for i in shared}
+        in_series = [(order, lane_threads.submit(lambda order: [one(calls[i]) for i in order], order))
+                     for order in lanes.values()]
+    results = {i: future.result() for i, future in done.items()}
+    for order, future in in_series:
+        results.update(zip(order, future.result()))
+    return [results[i] for i in range(len(calls))]

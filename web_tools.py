@@ -72,12 +72,15 @@ class WikipediaSearch(NetworkTool):
                     "Wikipedia_Search from agent.tools")  # (a local mirror has its own rules)
         return super().preflight(cfg)
 
+    def lane(self, command):  # Wikimedia's etiquette: one request at a time; a mirror of one's own takes many
+        return "wikimedia" if is_wikimedia(urlparse(self.cfg["wikipedia_url"]).hostname) else None
+
     def _api(self, params: dict) -> dict:
         params = {**params, "format": "json", "formatversion": 2}
         if int(self.cfg["wikipedia_maxlag"]) > 0:  # training is a non-interactive client
             params["maxlag"] = int(self.cfg["wikipedia_maxlag"])
-        # Wikimedia's etiquette: one request at a time; a mirror of one's own takes them in parallel
-        serial = WIKIMEDIA_LOCK if is_wikimedia(urlparse(self.cfg["wikipedia_url"]).hostname) else nullcontext()
+        # The lane keeps run_tool_calls' calls in series; the lock, any other caller's too.
+        serial = WIKIMEDIA_LOCK if self.lane("") else nullcontext()
         with serial:
             return api_json(self.cfg["wikipedia_url"], RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
                              transient_codes=self.TRANSIENT, params=params, agent=user_agent(self.cfg["contact"]))
@@ -198,6 +201,10 @@ class WebSearch(NetworkTool):
         "url_allow": [],  # hosts or CIDRs it may fetch although internal, e.g. [10.0.0.0/8]
     }
     CHUNK_WORDS, CHUNK_STRIDE = 80, 60  # 80-word chunks overlapping by 20, so a fact is rarely split
+
+    def lane(self, command):  # a Wikimedia page joins the Wikipedia API's calls in series
+        match = _URL.search(command or "")
+        return "wikimedia" if match and is_wikimedia(urlparse(match.group(0)).hostname) else None
 
     def _run(self, command):
         match = _URL.search(command)

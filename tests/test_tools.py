@@ -625,6 +625,41 @@ def test_wikimedia_requests_are_serial_and_carry_the_contact(server, monkeypatch
     assert "(research bot; you@example.org) python-requests/" in web.user_agent("you@example.org")
 
 
+def test_queued_wikimedia_calls_never_hold_the_other_tools_workers(server, monkeypatch):
+    """Eight Wikipedia calls first, then eight Serper calls, on two workers: the Wikipedia
+    calls wait in their own lane, in series, while every Serper call finishes. The first
+    Wikipedia request is held until the Serper calls are all done, so calls that took the
+    shared workers to wait for their turn would never let them finish (the test would time
+    out instead of passing)."""
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    monkeypatch.setattr(web_tools, "is_wikimedia", lambda host: True)  # the local server plays Wikimedia
+    others_done = threading.Event()
+    answered = []
+
+    def held(p):
+        assert others_done.wait(timeout=10), "the Serper calls never finished"
+        return 200, "application/json", WIKI_OK, 0
+
+    def organic(p):
+        answered.append(p)
+        if len(answered) == 8:
+            others_done.set()
+        return 200, "application/json", ORGANIC, 0
+    server.routes["/w/api.php"], server.routes["/search"] = held, organic
+    tool = wiki(server, contact="you@example.org", retry_attempts=1)
+    assert tool.lane("q") == "wikimedia" and serper(server).lane("q") is None
+    calls = [(tool, f"query {i}") for i in range(8)] + [(serper(server), f"q{i}") for i in range(8)]
+    results = tools.run_tool_calls(calls, max_workers=2)
+    assert all(r.ok for r in results) and [r.output for r in results[8:]] == [results[8].output] * 8
+    assert server.most_active <= 1 + 2  # the lane's one request, the two workers' own
+
+
+def test_a_web_page_on_wikimedia_joins_the_lane():
+    page = web_tools.WebSearch({})
+    assert page.lane("https://en.wikipedia.org/wiki/Eiffel_Tower How tall?") == "wikimedia"
+    assert page.lane("https://example.org/tower How tall?") is None and page.lane("no url") is None
+
+
 def test_a_wikipedia_mirror_of_ones_own_is_asked_in_parallel(server):
     """tools.wikipedia_url on a host that is not Wikimedia's (a local MediaWiki): no lock,
     the calls overlap (each waits at a barrier that only four requests in flight pass)."""
