@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from support.batching import capped, layout, left_padded, length_groups, unique_prompts
-from support.device_memory import sampler_sub_batches
+from support.device_memory import CaptureError, sampler_sub_batches
 from support.kv_cache import PreallocatedLayer, cache_layer, preallocated_cache
 
 
@@ -660,8 +660,13 @@ class GraphStep:
                     self._step()
             current.wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._step()  # [B, V] in the graph's own memory pool, rewritten by each replay
+            try:
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._step()  # [B, V] in the graph's own memory pool, rewritten by each replay
+            except RuntimeError as err:  # out of memory included: the plan counts the pool (plan.guard)
+                self.graph = None
+                raise CaptureError(f"capturing the decode step of {self.rows} rows as a CUDA graph failed "
+                                   f"({type(err).__name__}: {err})") from err
 
 
 def graph_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:

@@ -49,7 +49,7 @@ from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.checkpoints import disk_problem
 from support.datasets import Item, load_benchmark, read_jsonl
-from support.device_memory import plan_for, use_expandable_segments
+from support.device_memory import CaptureError, plan_for, use_expandable_segments
 from support.models import check_model, check_models, load_model, planner_name
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
@@ -103,7 +103,7 @@ def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge
     try:
         trajs = agent.rollout([it.question for it in batch], seed=seed, max_turns=max_turns)
     except Exception as e:  # a crash costs the batch, not the run; each item says why
-        if isinstance(e, torch.OutOfMemoryError):  # not the items' fault: the run must stop and say so
+        if isinstance(e, (torch.OutOfMemoryError, CaptureError)):  # not the items' fault: stop and say so
             raise
         return [_row(it, None, {"correct": False, "f1": 0.0, "extracted": ""},
                      f"crashed: {type(e).__name__}: {e}") for it in batch]

@@ -164,12 +164,16 @@ class Plan:
     def guard(self, where: str):
         """Running out of memory inside is the plan's error on this machine, not the
         items' or the model's: stop with PlanError, the plan and the knobs that shrink it."""
+        knobs = ("lower model.memory_gb (the sampler then runs smaller sub-batches), model.prefill_tokens or "
+                 "train.micro_batch")
         try:
             yield
         except torch.OutOfMemoryError as err:
-            raise PlanError(f"out of memory {where} ({err}); the plan was:\n{self.text()}\nlower model.memory_gb "
-                            f"(the sampler then runs smaller sub-batches), model.prefill_tokens or train.micro_batch"
-                            ) from err
+            raise PlanError(f"out of memory {where} ({err}); the plan was:\n{self.text()}\n{knobs}") from err
+        except CaptureError as err:
+            raise PlanError(f"{err} {where}; each sub-batch's graph pool is planned in \"or: decode logits ...\" "
+                            f"below:\n{self.text()}\n{knobs}; a capture that fails with memory to spare is the "
+                            f"driver's or torch's: run gpu_check's speed part to see it alone") from err
 
 
 # Per token and decoder layer, what autograd keeps for the backward pass of a trained
@@ -497,3 +501,9 @@ AUTO_MICRO_BATCH = 16
 
 class PlanError(RuntimeError):
     """The run cannot fit its memory budget; the message names the knob to turn."""
+
+
+class CaptureError(RuntimeError):
+    """Recording the decode step as a CUDA graph failed (engine.GraphStep): the device's
+    state, not the items', so a run stops (plan.guard says why) instead of an evaluation
+    scoring every batch as crashed."""

@@ -251,3 +251,49 @@ def test_the_device_type_decides(tiny_llm):
     runs = GraphStep.runs
     llm.sample(prompts_of(llm)[:2], SamplingParams(0.0, max_new_tokens=3))
     assert GraphStep.runs == runs
+
+
+def test_a_failed_capture_stops_the_run_with_the_plans_knobs(tiny_llm, monkeypatch):
+    """A capture that fails (here torch.cuda.graph raising as a driver would, the rest of
+    torch.cuda stood in for on a CPU) is a CaptureError; plan.guard turns it into the plan's
+    message with the knobs, and an evaluation stops on it rather than score every batch as
+    crashed."""
+    import contextlib
+
+    import eval as evaluation
+    from support.config import load_config
+    from support.device_memory import CaptureError, PlanError, plan_for
+
+    llm = qwen2_llm(tiny_llm, monkeypatch)
+    made = []
+    real_init = GraphStep.__init__
+    monkeypatch.setattr(GraphStep, "__init__", lambda self, *a: made.append(self) or real_init(self, *a))
+    llm.sample(prompts_of(llm)[:3], SamplingParams(0.0, max_new_tokens=2))
+    step = made[0]
+
+    class Stand:  # a stream or a graph that does nothing
+        def wait_stream(self, other):
+            pass
+
+    def driver_says_no(graph):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    for name, value in (("device", lambda d: contextlib.nullcontext()), ("current_stream", Stand), ("Stream", Stand),
+                        ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", Stand),
+                        ("graph", driver_says_no)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(GraphStep, "_step", torch.no_grad()(GraphStep._step))  # as the sampler runs it
+    with pytest.raises(CaptureError, match="decode step of 3 rows .* operation not permitted"):
+        step._capture()
+    assert step.graph is None  # the next step captures afresh, nothing half-made is replayed
+
+    plan = plan_for(load_config("config.yaml", [f"model.name={tiny_llm.model.name_or_path}"]))
+    with pytest.raises(PlanError) as stopped, plan.guard("in training step 1"):
+        step._capture()
+    msg = str(stopped.value)
+    assert "operation not permitted" in msg and "in training step 1" in msg and "lower model.memory_gb" in msg
+
+    class Agent:
+        def rollout(self, *a, **k):
+            step._capture()
+    with pytest.raises(CaptureError):
+        evaluation._run_batch(Agent(), [], 1, 0, judge=None)
