@@ -3,7 +3,8 @@ training run, in one command, each check PASS or FAIL against a stated threshold
 
     python -m scripts.gpu_check                  # on CUDA: a few minutes on one large GPU
     python -m scripts.gpu_check --device cpu     # the same checks at toy sizes (tests/test_gpu_check.py)
-    python -m scripts.gpu_check --only train     # one part: sampler, stops, loss, onpolicy, speed, memory, train
+    python -m scripts.gpu_check --only train     # one part: sampler, stops, loss, onpolicy, speed, memory, train,
+                                                 #   paper
 
 Not part of the paper: what a machine with a GPU must confirm before
 configs/qwen2.5-7b-1gpu.yaml is trusted there, since the tests run on CPUs. It builds
@@ -29,6 +30,11 @@ a config with random weights (a GPU box may have no route to the model hub), and
   train     `python train.py configs/smoke.yaml` on this device with a tiny random model
             (the real entry point: preflight, rollouts, update, checkpoint, export), then the
             same run stopped after step 1 and resumed: it must reach the same step-2 weights.
+  paper     `python train.py configs/qwen2.5-7b-1gpu.yaml` as shipped, two steps, on a random
+            model of Qwen2.5-7B's shape (offline stand-ins for the web tools and the data,
+            evaluations off): it trains both steps, its start-up turns on expandable
+            segments, its peaks stay within its plan. The part to run before trusting an
+            hour of the paper's setup (tens of minutes: it writes and loads 15 GB).
 
 Prints `name: value` for each figure and `CHECK name: value <op> limit PASS|FAIL` for
 each check; exits 1 if one fails. THRESHOLDS below is every limit, with why.
@@ -109,6 +115,11 @@ THRESHOLDS = {
     "train_resumed_drift_over_training": ("<=", 0.01, "resume reaches the uninterrupted run's weights: the largest "
                                                        "difference, against the largest change training made"),
     "train_resumed_step2_reward_diff": ("==", 0.0, "and the same step-2 rollouts"),
+    "paper_exit_code": ("==", 0, "train.py runs configs/qwen2.5-7b-1gpu.yaml through two steps"),
+    "paper_steps_updated": ("==", 2, "both steps train: step 2 with AdamW's moments resident"),
+    "paper_expandable_segments": ("==", 1, "train.py's own start-up turns them on (every segment is expandable)"),
+    "paper_allocated_peak_over_plan": ("<=", 1.0, "the most the run's tensors held in a step / the plan's peak"),
+    "paper_reserved_peak_over_budget": ("<=", 1.0, "the most its allocator reserved / the budget it was planned in"),
 }
 OPS = {"<": float.__lt__, "<=": float.__le__, "==": float.__eq__, ">=": float.__ge__, ">": float.__gt__}
 
@@ -556,8 +567,78 @@ def check_train(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
         r.check("train_resumed_step2_reward_diff", abs(step2[0]["reward_mean"] - step2[1]["reward_mean"]))
 
 
+# The paper part's stand-ins for what a GPU box may lack: the offline suite's data and its
+# local search for the web tools, no evaluations (their cost is in the plan's output); the
+# reward term that gives a random model's rollouts a signal, so step 1 updates and step 2
+# runs with AdamW's moments resident. On a CPU also a tiny shape, 2 x 2 rollouts and short
+# actions: the same entry point and config, in seconds.
+PAPER_STAND_INS = ["agent.tools=[Base_Generator, Python_Coder, Local_Search]", "tools.corpus=data/corpus.jsonl",
+                   "data.train=data/train.jsonl", "data.heldout=data/heldout.jsonl", "train.eval_before_after=false",
+                   "train.eval_every=0", "train.steps=2", "reward.terms={correct: 1.0, action_tokens: 0.1}",
+                   "reward.modules=[gpu_check_reward]"]
+PAPER_CPU = ["model.device=cpu", "train.queries_per_step=2", "train.group_size=2", "train.train_layers=2",
+             "agent.planner.max_new_tokens=8", "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=8"]
+
+
+def check_paper(r: Report, z: dict, dev: str, tokenizer: str | None = None, overrides: tuple = ()) -> None:
+    """`python train.py configs/qwen2.5-7b-1gpu.yaml` as shipped (memory_gb 0: the card's
+    total; micro_batch auto; 256/512-token actions; 32 x 8 rollouts) on a random model of
+    Qwen2.5-7B's shape, two steps, with the stand-ins above. Its own start-up path must
+    turn on expandable segments (the variable this script sets is not passed on); each
+    step's peaks, from metrics.jsonl, against the plan. This process's own CUDA context
+    (~0.5 GB) is outside the run's plan."""
+    from transformers import AutoTokenizer
+
+    from support.config import load_config
+    from support.models import DEFAULT_MODEL, resolve_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tok = AutoTokenizer.from_pretrained(tokenizer or resolve_model(DEFAULT_MODEL))
+        # Qwen2.5's 152,064-entry vocabulary on CUDA, whatever the tokenizer (ids it lacks
+        # decode to nothing); the tokenizer's own on a CPU.
+        shape = z["card"] if dev == "cuda" else {**z["card"], "vocab": len(tok)}
+        t0 = time.perf_counter()
+        model = build_model(shape, dev, torch.bfloat16)
+        model.config.update({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                             "pad_token_id": tok.pad_token_id})
+        model.save_pretrained(tmp / "model")
+        tok.save_pretrained(tmp / "model")
+        del model
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        r.figure("paper_model_built_s", time.perf_counter() - t0)
+        (tmp / "gpu_check_reward.py").write_text(REWARD_MODULE)
+        args = [f"model.name={tmp / 'model'}", f"out_dir={tmp / 'run'}", *PAPER_STAND_INS,
+                *(PAPER_CPU if dev == "cpu" else []), *overrides]
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "train.py", "configs/qwen2.5-7b-1gpu.yaml", *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=3600, env=env)
+        r.figure("paper_run_s", time.perf_counter() - t0)
+        print("\n".join(line for line in p.stdout.splitlines() if line.startswith(("memory plan", "  ", "disk",
+                                                                                   "evaluation"))), flush=True)
+        if p.returncode:
+            print((p.stdout + p.stderr)[-3000:], flush=True)
+        r.check("paper_exit_code", p.returncode)
+        if p.returncode:
+            return
+        rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+        r.check("paper_steps_updated", sum(1 for row in rows if row["optimizer_steps"]))
+        for row in rows:
+            r.figure(f"paper_step_{row['step']}_s", row["time_rollout"] + row["time_judge"] + row["time_update"])
+        if dev != "cuda":
+            return
+        plan = device_memory.plan_for(load_config(str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"), args))
+        r.check("paper_expandable_segments", min(float(row["gpu_expandable_segments"]) for row in rows))
+        GBs = [(row["gpu_allocated_peak_gb"], row["gpu_reserved_peak_gb"]) for row in rows]
+        r.check("paper_allocated_peak_over_plan", max(a for a, _ in GBs) * device_memory.GB / plan.peak)
+        r.check("paper_reserved_peak_over_budget", max(b for _, b in GBs) * device_memory.GB / plan.budget)
+
+
 PARTS = {"sampler": check_sampler, "stops": check_stops, "loss": check_loss, "onpolicy": check_onpolicy,
-         "speed": check_speed, "train": check_train, "memory": check_memory}
+         "speed": check_speed, "train": check_train, "memory": check_memory, "paper": check_paper}
 
 
 def main(argv=None) -> int:
@@ -577,8 +658,8 @@ def main(argv=None) -> int:
     for name in args.only or PARTS:
         start = time.time()
         try:  # one part's crash is its failure; the parts after it still run
-            if name == "train":
-                check_train(r, z, dev, args.tokenizer, args.set)
+            if name in ("train", "paper"):
+                PARTS[name](r, z, dev, args.tokenizer, args.set)
             else:
                 PARTS[name](r, z, dev)
         except Exception:

@@ -323,12 +323,15 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
 def device_peaks() -> dict:
     """The most GPU memory torch's tensors held, and the most its allocator reserved (what
     the card actually lost, fragmentation included), in GB since the last call, which
-    resets both; {} where no GPU is in use. A step's row of metrics.jsonl carries them,
+    resets both, and whether the allocator's segments are expandable; {} where no GPU is in use. A step's row of metrics.jsonl carries them,
     beside the plan's peaks that train.py prints at start."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
+    segments = torch.cuda.memory_snapshot()
     out = {"gpu_allocated_peak_gb": torch.cuda.max_memory_allocated() / GB,
-           "gpu_reserved_peak_gb": torch.cuda.max_memory_reserved() / GB}
+           "gpu_reserved_peak_gb": torch.cuda.max_memory_reserved() / GB,
+           # whether use_expandable_segments was in force when CUDA started (gpu_check reads it)
+           "gpu_expandable_segments": bool(segments) and all(seg.get("is_expandable") for seg in segments)}
     torch.cuda.reset_peak_memory_stats()
     return out
 

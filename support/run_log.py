@@ -92,7 +92,9 @@ def step_metrics(step: int, trajs, verdicts, groups, n_queries: int, update: dic
             "judge": judge_counts(every("verdicts")), **update, "lr": lr,
             "sampler_sub_batches": sum(p["sub_batches"] for p in per_rank),
             "time_rollout": times[0], "time_judge": times[1], "time_update": times[2],
-            **{k: max(p["gpu"][k] for p in per_rank) for k in per_rank[0]["gpu"]}}  # the fullest card's
+            # the fullest card's peaks; expandable segments only where every card has them
+            **{k: (min if k == "gpu_expandable_segments" else max)(p["gpu"][k] for p in per_rank)
+               for k in per_rank[0]["gpu"]}}
 
 
 def judge_counts(verdicts: list[dict]) -> dict:

@@ -19,8 +19,8 @@ Z = gpu_check.SIZES["cpu"]
 def run(part: str, capsys, *args) -> dict:
     """Run one part on the CPU; {check name: "PASS" | "FAIL"} and the figures printed."""
     r = gpu_check.Report("cpu")
-    if part == "train":
-        gpu_check.check_train(r, Z, "cpu", *args)
+    if part in ("train", "paper"):
+        gpu_check.PARTS[part](r, Z, "cpu", *args)
     else:
         gpu_check.PARTS[part](r, Z, "cpu")
     out = capsys.readouterr().out
@@ -32,7 +32,8 @@ def test_gpu_check_runs_on_a_cpu_and_passes(capsys):
     out = capsys.readouterr().out
     verdicts = dict(re.findall(r"^CHECK (\w+): .* (PASS|FAIL) ", out, re.M))
     assert set(verdicts.values()) == {"PASS"}
-    cuda_only = {n for n in gpu_check.THRESHOLDS if n.startswith("memory_") or n.startswith("speed_static")}
+    cuda_only = {n for n in gpu_check.THRESHOLDS if n.startswith(("memory_", "speed_static"))}
+    cuda_only |= {"paper_expandable_segments", "paper_allocated_peak_over_plan", "paper_reserved_peak_over_budget"}
     assert set(verdicts) == set(gpu_check.THRESHOLDS) - cuda_only  # every other check ran
     assert "failed: none" in out and "memory: skipped" in out
 
@@ -143,6 +144,10 @@ BREAKS = {
     "memory_sampler_sub_batches": ("memory", lambda mp: mp.setattr(engine, "sampler_sub_batches",
                                                                    lambda prompts, *a: [range(len(prompts))])),
     "train_exit_codes_nonzero": ("train", lambda mp: mp.setattr(gpu_check, "ROOT", gpu_check.ROOT / "docs")),
+    "paper_exit_code": ("paper", lambda mp: mp.setattr(gpu_check, "ROOT", gpu_check.ROOT / "docs")),
+    # a run that ends after its first step: step 2, with AdamW's moments resident, never runs
+    "paper_steps_updated": ("paper", lambda mp: mp.setattr(gpu_check, "PAPER_STAND_INS", [
+        "train.steps=1" if a == "train.steps=2" else a for a in gpu_check.PAPER_STAND_INS])),
 }
 
 
@@ -169,8 +174,23 @@ def test_every_check_has_a_way_to_fail():
                "train_weights_moved": "checked by the train part itself: without it the drift check would be vacuous",
                "train_resumed_step2_reward_diff": "test_a_resume_that_drifts_fails (the same runs)",
                "speed_static_rows_differing_from_step": "CUDA only; tests/test_graph_decode.py holds the graph "
-                                                        "block to the eager step on a CPU"}
+                                                        "block to the eager step on a CPU",
+               "paper_expandable_segments": "CUDA only; tests/test_train.py shows the setting in the environment "
+                                            "before train.py's first CUDA call",
+               "paper_allocated_peak_over_plan": "CUDA only: the memory part's comparison, on the run's own counters",
+               "paper_reserved_peak_over_budget": "CUDA only: the memory part's comparison, on the run's own counters"}
     assert set(gpu_check.THRESHOLDS) == set(BREAKS) | set(by_twin)
+
+
+def test_the_paper_config_runs_two_steps_at_a_shrunk_shape(capsys):
+    """The 7B YAML as shipped, through train.py, on a random model of the card part's CPU
+    shape in bfloat16: both steps train; the run's plan and its evaluation line are shown."""
+    r = gpu_check.Report("cpu")
+    gpu_check.check_paper(r, Z, "cpu")
+    out = capsys.readouterr().out
+    assert r.checked == ["paper_exit_code", "paper_steps_updated"] and not r.failed, out[-3000:]
+    assert "memory plan:" in out and "in bfloat16 on cpu" in out and "evaluation: none" in out
+    assert re.search(r"^paper_step_2_s: ", out, re.M)
 
 
 def test_a_part_that_crashes_fails_and_the_rest_still_run(monkeypatch, capsys):
