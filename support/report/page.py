@@ -148,9 +148,7 @@ def delta_cell(b, a, good: str = "up", scale: float = 1.0, unit: str = "", digit
     d = round((a - b) * scale, digits)
     if d == 0:
         return "<td>±0</td>"
-    cls = ""
-    if good != "none":
-        cls = "good" if (d > 0) == (good == "up") else "bad"
+    cls = "" if good == "none" else "good" if (d > 0) == (good == "up") else "bad"
     return f'<td class="{cls}">{d:+.{digits}f}{esc(unit)}</td>'
 
 
@@ -490,9 +488,7 @@ def cut_table(run: dict) -> str:
         cells[4].append(share(c.get("no_tool", 0), n))
         cells[5].append(str(c.get("trajectories", 0)))
         cells[6].append(share(c.get("out_of_turns", 0), c.get("trajectories", 0)) + f" (T = {budget})")
-    loose = Counter()
-    for _, c, _ in cols:
-        loose.update(c["loose_names"])
+    loose = sum((c["loose_names"] for _, c, _ in cols), Counter())
     seen = ", ".join(f"“{esc(clip(line, 60))}” → {esc(tool)} ×{k}" for (line, tool), k in loose.most_common(6))
     head = "".join(f"<th>{esc(label)}</th>" for label, _, _ in cols)
     body = "".join(f"<tr><th>{esc(k)}</th>{''.join(f'<td>{esc(v)}</td>' for v in vs)}</tr>" for k, vs in rows.items())
@@ -509,9 +505,8 @@ def section_curves(run: dict) -> str:
     m = run["metrics"]
     parts = ['<section id="curves"><h2>3. Training curves</h2>', cut_table(run)]
     if not m:
-        parts.append(note("<b>No training steps yet</b>: metrics.jsonl is missing or empty (train.py appends "
-                          "one row per finished step).", "note warn") + "</section>")
-        return "".join(parts)
+        return "".join(parts) + note("<b>No training steps yet</b>: metrics.jsonl is missing or empty (train.py "
+                                     "appends one row per finished step).", "note warn") + "</section>"
     parts.append("<h3>Curves</h3>")
     if len(m) > SMOOTH_FROM:
         parts.append(note(f"Faint lines: the value at each step; solid lines: a centred moving average over "
@@ -533,9 +528,7 @@ def section_curves(run: dict) -> str:
 
 
 def section_tool_shift(run: dict) -> str:
-    parts = ['<section id="tool-shift"><h2>4. Tool-usage shift per task kind</h2>', tool_shift_figure(run),
-             "</section>"]
-    return "".join(parts)
+    return f'<section id="tool-shift"><h2>4. Tool-usage shift per task kind</h2>{tool_shift_figure(run)}</section>'
 
 
 # ----------------------------------------------------------------------------------------
@@ -546,8 +539,6 @@ def pick_steps(steps: list[int], k: int) -> list[int]:
     """At most k steps, evenly spaced, always the first and the last."""
     if len(steps) <= k:
         return list(steps)
-    if k <= 1:
-        return [steps[-1]]
     return sorted({steps[round(i * (len(steps) - 1) / (k - 1))] for i in range(k)})
 
 
@@ -608,10 +599,9 @@ def section_trajectories(run: dict) -> str:
     parts = ['<section id="trajectories"><h2>5. Trajectory browser</h2>']
     steps = list(run["traj_files"])
     if not steps:
-        parts.append(note("<b>No trajectories in this folder</b>: train.py writes trajectories/step_N.jsonl "
-                          "(every rollout of step N) as each step finishes; none is here yet.", "note warn"))
-        parts.append("</section>")
-        return "".join(parts)
+        return parts[0] + note("<b>No trajectories in this folder</b>: train.py writes trajectories/step_N.jsonl "
+                               "(every rollout of step N) as each step finishes; none is here yet.",
+                               "note warn") + "</section>"
     G = cfg_get(run["config"], "train.group_size")
     max_turns = num(cfg_get(run["config"], "agent.max_turns"))
     by_metric = {r["step"]: r for r in run["metrics"]}
