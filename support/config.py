@@ -33,7 +33,7 @@ DEFAULTS = {
         "threads": 0,  # torch CPU threads; 0 = leave torch's default
         # The memory plan (support/device_memory.py, printed at start; `python train.py CONFIG --plan`).
         "memory_gb": 0.0,  # memory the run may use, GB of 1e9 bytes; 0 = the device's total on CUDA, no limit on CPU
-        "max_prompt_tokens": 2048,  # the longest prompt the plan provisions for (longer ones run in smaller sub-batches)
+        "max_prompt_tokens": 2048,  # the longest prompt the plan provisions for (longer ones: smaller sub-batches)
         "prefill_tokens": 8192,  # under a memory limit: tokens one prefill forward may hold (rows x cached + new)
     },
     "agent": {
@@ -205,11 +205,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=2")
         key, value = item.split("=", 1)
-        node, parts = {}, key.split(".")
-        leaf = node
-        for part in parts[:-1]:
-            leaf = leaf.setdefault(part, {})
-        leaf[parts[-1]] = yaml.safe_load(value) if value.strip() else EMPTY  # key= : the key's empty value
+        node = yaml.safe_load(value) if value.strip() else EMPTY  # key= : the key's empty value
+        for part in reversed(key.split(".")):  # train.lr=1e-5 -> {"train": {"lr": 1e-5}}
+            node = {part: node}
         merge(cfg, node, DEFAULTS)
     problems = out_of_bounds(cfg, DEFAULTS)
     if problems:
@@ -356,7 +354,8 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
             kinds = set().union(*(_task_kinds(path) for path in cfg["data"]["train"]))
             if set(shares) != kinds:
                 problems.append(f"train.task_shares names {', '.join(sorted(shares))} but data.train "
-                                f"({', '.join(cfg['data']['train'])}) holds the task kinds {', '.join(sorted(kinds)) or '(none: no row has a task)'}; "
+                                f"({', '.join(cfg['data']['train'])}) holds the task kinds "
+                                f"{', '.join(sorted(kinds)) or '(none: no row has a task)'}; "
                                 f"give each of those a weight, or set train.task_shares={{}}")
     j = cfg["judge"]
     if j["llm"] and j["base_url"]:
@@ -364,7 +363,7 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
             problems.append(f"judge.base_url must start with http:// or https://, got {j['base_url']!r}")
         if not j["model"]:
             problems.append("judge.model is empty; name the model the endpoint at judge.base_url serves")
-        if _env_missing([j["api_key_env"]]):
+        if j["api_key_env"] and not os.environ.get(j["api_key_env"]):
             problems.append(f"judge.api_key_env: {j['api_key_env']} is not set in the environment; export it, "
                             f"or set judge.api_key_env='' for a server that needs no key")
     return problems
@@ -374,7 +373,3 @@ def _task_kinds(path: str) -> set[str]:
     """The task kinds of a data file's rows, as train.draw_queries reads them ("" for none)."""
     from support.datasets import load_benchmark
     return {it.meta.get("task", "") for it in load_benchmark(path)}
-
-
-def _env_missing(names) -> list[str]:
-    return [n for n in names if n and not os.environ.get(n)]
