@@ -16,11 +16,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in a buffer allocated with room to grow (the sampler's cache).
 
-    Hugging Face's DynamicLayer appends each new token with torch.cat, which copies the
-    WHOLE cache of every layer at every decode step: for a small model at a large batch
-    that is as much memory traffic as reading the weights. Here the buffer [rows, H,
-    capacity, D] (k_buffer, v_buffer) is written in place, and attention reads a view of
-    its first `length` positions and live rows (k_live, v_live). The sampler knows the
+    Instead of DynamicLayer's torch.cat (see above), the buffer [rows, H, capacity, D]
+    (k_buffer, v_buffer) is written in place, and attention reads a view of its first
+    `length` positions and live rows (k_live, v_live). The sampler knows the
     final size up front (its longest laid out prompt + max_new_tokens, for every row of
     the call) and passes it as `capacity` and `rows`: the buffer is then allocated once,
     at that size, and never copied (without a capacity it starts at twice the first
