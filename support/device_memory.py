@@ -94,9 +94,7 @@ def model_shape(config, train_layers: int, name: str = "") -> Shape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     trained = select_trainable(model, train_layers)
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    hidden = config.hidden_size
+    layers, heads, hidden = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
     return Shape(
         name=name or getattr(config, "_name_or_path", "") or config.model_type, hidden=hidden,
         intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
@@ -153,7 +151,8 @@ class Plan:
         if self.budget is None:
             out.append("  no limit to check against (a CPU without model.memory_gb)")
         else:
-            out.append(f"  {self.peak / GB:.2f} GB of {self.budget / GB:.1f} GB: " + ("fits" if self.fits else "DOES NOT FIT"))
+            out.append(f"  {self.peak / GB:.2f} GB of {self.budget / GB:.1f} GB: "
+                       + ("fits" if self.fits else "DOES NOT FIT"))
         out += [f"  to fit: {p}" for p in self.problems]
         out.append(f"disk: a checkpoint {self.checkpoint_bytes / GB:.2f} GB (the trained weights in fp32, AdamW's "
                    f"moments), the final export {self.export_bytes / GB:.2f} GB (the whole model); out_dir needs "
@@ -323,8 +322,9 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
 def device_peaks() -> dict:
     """The most GPU memory torch's tensors held, and the most its allocator reserved (what
     the card actually lost, fragmentation included), in GB since the last call, which
-    resets both, and whether the allocator's segments are expandable; {} where no GPU is in use. A step's row of metrics.jsonl carries them,
-    beside the plan's peaks that train.py prints at start."""
+    resets both, and whether the allocator's segments are expandable; {} where no GPU is
+    in use. A step's row of metrics.jsonl carries them, beside the plan's peaks that
+    train.py prints at start."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
     segments = torch.cuda.memory_snapshot()
@@ -341,7 +341,8 @@ def kv_bytes_per_token(config, itemsize: int) -> int:
     2 x layers x kv heads x head dim x itemsize (Shape.kv_bytes_per_token, without a Shape)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return 2 * config.num_hidden_layers * kv_heads * (getattr(config, "head_dim", None) or config.hidden_size // heads) * itemsize
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
 
 
 def sampler_sub_batches(prompts: list[list[int]], max_new: int, budget: int | None, model) -> list[range]:
