@@ -109,13 +109,14 @@ def disagreements(runs: list[dict], labels: list[str]) -> str:
         return note("Per-item comparison: needs every run's before and after results.jsonl.")
     ids = sorted(set.intersection(*[set(a) for _, a in verdicts]))
     mark = lambda x: "✓" if x and x.get("correct") else "✗" if x else "—"  # noqa: E731
+    flip = lambda x, y: ("good" if y == "✓" and x != "✓" else  # noqa: E731
+                         "bad" if x == "✓" and y != "✓" else "")
     rows = []
     for i in ids:
         pairs = [(mark(b.get(i)), mark(a.get(i))) for b, a in verdicts]
         if len(set(pairs)) > 1:
             item = verdicts[0][1][i]
-            cells = "".join(f'<td class="{"good" if y == "✓" and x != "✓" else "bad" if x == "✓" and y != "✓" else ""}">'
-                            f"{x} → {y}</td>" for x, y in pairs)
+            cells = "".join(f'<td class="{flip(x, y)}">{x} → {y}</td>' for x, y in pairs)
             rows.append(f"<tr><th>{esc(i)}</th><td>{esc(item.get('task', ''))}</td>"
                         f'<td class="q">{esc(clip(item.get("question"), 120))}</td>{cells}</tr>')
     head = "".join(f"<th>{esc(n)}</th>" for n in labels)
@@ -141,8 +142,8 @@ def render_comparison(runs: list[dict], out_file: Path) -> str:
     labels = run_labels(runs)
     title = "Flow-GRPO runs compared: " + " vs ".join(labels)
     head = (page_head(title) + f'<header><h1>{esc(title)}</h1><div class="dim">generated '
-            f'{esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · written to <span id="run-dir" data-what="file">{esc(out_file.resolve())}'
-            "</span></div>")
+            f'{esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · written to <span id="run-dir" data-what="file">'
+            f'{esc(out_file.resolve())}</span></div>')
     for r, lab, c in zip(runs, labels, RUN_COLORS):
         head += (f'<div class="prov"><i class="sw box" style="--c:{c}"></i><b>{esc(lab)}</b>: {provenance_line(r)}'
                  "</div>" + "".join(header_warnings(r)))
