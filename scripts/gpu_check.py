@@ -339,8 +339,8 @@ def check_speed(r: Report, z: dict, dev: str) -> None:
     new = z["speed_new"]
     greedy = SamplingParams(0.0, new)
     m32 = build_model(z["model"], dev, torch.float32)
-    ours32 = LLM(m32, tok).sample(prompts, greedy)
-    r.check("speed_rows_differing_from_generate", sum(s.ids != g for s, g in zip(ours32, generate(m32, tok, prompts, new))))
+    ours32, theirs32 = LLM(m32, tok).sample(prompts, greedy), generate(m32, tok, prompts, new)
+    r.check("speed_rows_differing_from_generate", sum(s.ids != g for s, g in zip(ours32, theirs32)))
     del m32
     model = build_model(z["model"], dev, torch.bfloat16)
     llm = LLM(model, tok)
@@ -391,9 +391,7 @@ class CudaCounters:
     reserved_peak = staticmethod(torch.cuda.max_memory_reserved)
     reset = staticmethod(torch.cuda.reset_peak_memory_stats)
 
-    @staticmethod
-    def total() -> float:
-        return float(torch.cuda.get_device_properties(0).total_memory)
+    total = staticmethod(lambda: float(torch.cuda.get_device_properties(0).total_memory))
 
 
 def counters(dev: str):
@@ -555,7 +553,8 @@ def check_train(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
         r.check("train_exit_codes_nonzero", sum(c != 0 for c in codes))
         if any(codes):
             return
-        start, a, b = (load_file(str(tmp / d / "model.safetensors")) for d in ("tiny", "straight/model", "resumed/model"))
+        start, a, b = (load_file(str(tmp / d / "model.safetensors"))
+                       for d in ("tiny", "straight/model", "resumed/model"))
         # the largest change of any weight, relative to the largest weight
         rel = lambda x, y: (max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
                             / max(float(x[k].float().abs().max()) for k in x))
