@@ -80,8 +80,7 @@ class WikipediaSearch(NetworkTool):
         if int(self.cfg["wikipedia_maxlag"]) > 0:  # training is a non-interactive client
             params["maxlag"] = int(self.cfg["wikipedia_maxlag"])
         # The lane keeps run_tool_calls' calls in series; the lock, any other caller's too.
-        serial = WIKIMEDIA_LOCK if self.lane("") else nullcontext()
-        with serial:
+        with WIKIMEDIA_LOCK if self.lane("") else nullcontext():
             return api_json(self.cfg["wikipedia_url"], RetryPolicy.from_cfg(self.cfg), float(self.cfg["web_timeout_s"]),
                              transient_codes=self.TRANSIENT, params=params, agent=user_agent(self.cfg["contact"]))
 

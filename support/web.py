@@ -366,8 +366,7 @@ def fetch_page_text(url: str, retry: RetryPolicy, timeout: float, max_bytes: int
 
     Wikimedia's pages, like its API, are fetched one at a time (WIKIMEDIA_LOCK), the body
     included. (A redirect from elsewhere onto Wikimedia is not serialised.)"""
-    serial = WIKIMEDIA_LOCK if is_wikimedia(urlparse(url).hostname) else contextlib.nullcontext()
-    with serial:
+    with WIKIMEDIA_LOCK if is_wikimedia(urlparse(url).hostname) else contextlib.nullcontext():
         url, resp = guarded_get(url, timeout, allow_entries, retry, contact)
         with resp:
             ctype = resp.headers.get("Content-Type", "").lower()
