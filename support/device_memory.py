@@ -481,9 +481,8 @@ def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> list[str]:
     items = min(items, e["limit"] or items)
     rounds = -(-items // (e["batch_size"] * ranks))  # each rank runs a batch a round
     sub_batches = -(-e["batch_size"] // plan.rows_per_sub_batch) if plan.rows_per_sub_batch else 1
-    steps = rounds * sub_batches * (e["max_turns"] * sum(a[k]["max_new_tokens"] for k in ("planner", "executor",
-                                                                                        "verifier"))
-                                    + a["generator"]["max_new_tokens"])
+    per_turn = sum(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier"))
+    steps = rounds * sub_batches * (e["max_turns"] * per_turn + a["generator"]["max_new_tokens"])
     out = [f"evaluation: {items} held-out items (eval.limit, data.heldout) in batches of {e['batch_size']} "
            f"(eval.batch_size) at up to {e['max_turns']} turns (eval.max_turns), {times} times "
            f"(train.eval_before_after: before and after; train.eval_every: between)"
@@ -492,7 +491,8 @@ def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> list[str]:
            f"  each: at most {steps:,} decode steps (turns x the planner's, executor's and verifier's "
            f"max_new_tokens + the generator's, a sub-batch at a time)"]
     if plan.device == "cuda":
-        minutes = steps * CUDA_DECODE_S_PER_WEIGHT_GB * plan.items[0][1] / GB / 60
+        weight_gb = plan.shape.params * torch.finfo(getattr(torch, plan.dtype)).bits / 8 / GB
+        minutes = steps * CUDA_DECODE_S_PER_WEIGHT_GB * weight_gb / 60
         out[-1] += (f": about {minutes:.0f} min on an H200 ({times * minutes:.0f} in all), {1.4 * minutes:.0f} on "
                     f"an H100, tools' time aside; the first runs before step 1")
     return out
