@@ -585,7 +585,9 @@ def check_paper(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
     Qwen2.5-7B's shape, two steps, with the stand-ins above. Its own start-up path must
     turn on expandable segments (the variable this script sets is not passed on); each
     step's peaks, from metrics.jsonl, against the plan. This process's own CUDA context
-    (~0.5 GB) is outside the run's plan."""
+    (~0.5 GB) is outside the run's plan. Disk: the random model's 15 GB beside what the
+    plan's disk line asks (45 GB as shipped; `--set train.train_layers=4`: 26 GB, where the
+    disk is smaller; the run's preflight refuses a disk that cannot hold it)."""
     from transformers import AutoTokenizer
 
     from support.config import load_config
