@@ -175,10 +175,8 @@ def test_every_check_has_a_way_to_fail():
                "train_resumed_step2_reward_diff": "test_a_resume_that_drifts_fails (the same runs)",
                "speed_static_rows_differing_from_step": "CUDA only; tests/test_graph_decode.py holds the graph "
                                                         "block to the eager step on a CPU",
-               "paper_expandable_segments": "CUDA only; tests/test_train.py shows the setting in the environment "
-                                            "before train.py's first CUDA call",
-               "paper_allocated_peak_over_plan": "CUDA only: the memory part's comparison, on the run's own counters",
-               "paper_reserved_peak_over_budget": "CUDA only: the memory part's comparison, on the run's own counters"}
+               **dict.fromkeys(("paper_expandable_segments", "paper_allocated_peak_over_plan",
+                                "paper_reserved_peak_over_budget"), "test_the_paper_parts_cuda_checks_on_given_figures")}
     assert set(gpu_check.THRESHOLDS) == set(BREAKS) | set(by_twin)
 
 
@@ -191,6 +189,49 @@ def test_the_paper_config_runs_two_steps_at_a_shrunk_shape(capsys):
     assert r.checked == ["paper_exit_code", "paper_steps_updated"] and not r.failed, out[-3000:]
     assert "memory plan:" in out and "in bfloat16 on cpu" in out and "evaluation: none" in out
     assert re.search(r"^paper_step_2_s: ", out, re.M)
+
+
+GB = 1e9
+ON_CUDA = {"gpu_allocated_peak_gb": 9.0, "gpu_reserved_peak_gb": 19.0, "gpu_expandable_segments": True}
+
+
+@pytest.mark.parametrize("change, failing", [
+    ({}, None),
+    ({"gpu_allocated_peak_gb": 11.0}, "paper_allocated_peak_over_plan"),
+    ({"gpu_reserved_peak_gb": 21.0}, "paper_reserved_peak_over_budget"),
+    ({"gpu_expandable_segments": False}, "paper_expandable_segments"),
+])
+def test_the_paper_parts_cuda_checks_on_given_figures(change, failing, monkeypatch, capsys):
+    """The paper part's CUDA branch on a CPU: the model is built here, train.py's run on
+    the GPU is stood in for by two rows of metrics.jsonl with the given peaks, and the plan
+    by a peak of 10 GB in a budget of 20. The run must not be handed this script's
+    allocator setting; each check fails when its figure is over."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    build = gpu_check.build_model
+    monkeypatch.setattr(gpu_check, "build_model", lambda shape, dev, dtype: build(Z["card"], "cpu", dtype))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as gpu_check sets it at import
+
+    def on_the_gpu(cmd, cwd, capture_output, text, timeout, env):
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in env  # only the run's own start-up may turn it on
+        assert cmd[1:3] == ["train.py", "configs/qwen2.5-7b-1gpu.yaml"]
+        out = Path(next(a for a in cmd if a.startswith("out_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        rows = [{"step": step, "optimizer_steps": 1, "time_rollout": 60.0, "time_judge": 1.0, "time_update": 30.0,
+                 **ON_CUDA, **(change if step == 2 else {})} for step in (1, 2)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(gpu_check.subprocess, "run", on_the_gpu)
+    monkeypatch.setattr(gpu_check.device_memory, "plan_for", lambda cfg: types.SimpleNamespace(peak=10 * GB,
+                                                                                                budget=20 * GB))
+    r = gpu_check.Report("cuda")
+    gpu_check.check_paper(r, Z, "cuda")
+    assert r.checked == ["paper_exit_code", "paper_steps_updated", "paper_expandable_segments",
+                         "paper_allocated_peak_over_plan", "paper_reserved_peak_over_budget"]
+    assert r.failed == ([failing] if failing else [])
+    assert "paper_step_2_s: 91" in capsys.readouterr().out
 
 
 def test_a_part_that_crashes_fails_and_the_rest_still_run(monkeypatch, capsys):
