@@ -902,3 +902,14 @@ def test_comparison_in_a_browser(tmp_path, browser):
     assert "seed0" in browser.text("#runs") and "seed1" in browser.text("#runs")
     errors = [e for e in browser.console() if e["level"] in ("SEVERE", "ERROR")]
     assert not errors, errors
+
+
+def test_query_groups_are_named_by_item_from_each_training_file(tmp_path):
+    """data.train as one path (older runs) or as a list: every file's ids name the groups;
+    a missing file names none."""
+    for i, name in enumerate(("a.jsonl", "b.jsonl")):
+        (tmp_path / name).write_text(json.dumps({"id": f"item-{i}", "question": f"q{i}", "answer": "1"}) + "\n")
+    listed = {"config": {"data": {"train": [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]}}}
+    assert page.train_ids(listed) == {"q0": "item-0", "q1": "item-1"}
+    assert page.train_ids({"config": {"data": {"train": str(tmp_path / "b.jsonl")}}}) == {"q1": "item-1"}
+    assert page.train_ids({"config": {"data": {"train": [str(tmp_path / "gone.jsonl")]}}}) == {}
