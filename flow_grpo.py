@@ -222,11 +222,12 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_gro
     rows = []
     for g in groups:
         turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # the T_i turns with an action
-        A = ADVANTAGE_ESTIMATORS.named(estimator)([trajs[k].reward for k in g])  # A_i over the group's G_q rollouts
-        adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i^t = A_i for each of its T_i turns
-        for k, a in zip(g, A):
-            trajs[k].advantage = a
-        if mode != "trajectory":
+        if mode == "trajectory":
+            A = ADVANTAGE_ESTIMATORS.named(estimator)([trajs[k].reward for k in g])  # A_i over the G_q rollouts
+            adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i^t = A_i for each of its T_i turns
+            for k, a in zip(g, A):
+                trajs[k].advantage = a
+        else:
             adv = other_credit(trajs, g, turns, mode, turn_scores, estimator)
         n_rows = sum(len(ts) for ts in turns.values())
         for k in g:
