@@ -178,7 +178,7 @@ def run(cfg: dict) -> dict:
         print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
                disable=not world.main)
-    dry = 0  # steps in a row that trained on nothing because the tools' infrastructure failed
+    dry = 0  # steps in a row that trained on nothing because the tools' or the judge's infrastructure failed
     for step in bar:
         with plan.guard(f"in training step {step + 1}"):
             metrics = train_step(cfg, step, agent, model, ref, optimizer, train_items, judge, reward, out,
@@ -228,7 +228,7 @@ def run(cfg: dict) -> dict:
 
 
 class InfrastructureStop(RuntimeError):
-    """train.max_infra_steps steps in a row took no update: the tools, not the model, failed."""
+    """train.max_infra_steps steps in a row took no update: the tools or the judge, not the model, failed."""
 
 
 def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, out, update_tokens: int = 0,
@@ -315,9 +315,10 @@ def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None 
     small kind's sooner). Which kind a position goes to is fixed by the weights alone:
     the kind furthest behind its share so far (ties to the first name), so equal weights
     take turns and 2:1:1 gives 4/2/2 of every 8. Neither beat the data's shares on the
-    default's five seeds; two_step-heavy shares from step 5 did (docs/LOG.md). shares_from (train.task_shares_from, counting
-    steps from 1): the steps before it draw the data's shares, the stream with shares still
-    counts from position 0, so either stream depends only on (seed, position)."""
+    default's five seeds; two_step-heavy shares from step 5 did (docs/LOG.md).
+    shares_from (train.task_shares_from, counting steps from 1): the steps before it draw
+    the data's shares, the stream with shares still counts from position 0, so either
+    stream depends only on (seed, position)."""
     by_kind = _by_kind(items)
     if not shares or step + 1 < shares_from:
         return [items[_epoch_order(by_kind, seed, epoch)[pos]]
