@@ -1,9 +1,8 @@
 """Tests for benchmarks.py: the eight official benchmark files and our JSONL tasks
 load into uniform Items whose gold answers the judge accepts.
 
-The real files live next to the repository (../shared/benchmarks); the tests that
-need them skip, saying so, when that folder is absent. The loader's rules are also
-tested on small synthetic files written here, so they hold without the real ones.
+The real files are shipped in data/benchmarks/; the loader's rules are also tested
+on small synthetic files written here.
 """
 
 import json
@@ -18,9 +17,7 @@ sys.path.insert(0, str(ROOT))
 from support.datasets import Item, load_benchmark  # noqa: E402
 from judge import check_game24, score  # noqa: E402
 
-from conftest import SHARED_BENCHMARKS as BENCH  # noqa: E402
-
-needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"benchmark folder {BENCH} is absent")
+from conftest import BENCHMARKS as BENCH  # noqa: E402
 
 # file -> (row count, kind of every item)
 EXPECTED = {
@@ -42,7 +39,6 @@ def bench():
 
 # --- the real files ----------------------------------------------------------------
 
-@needs_bench
 def test_all_eight_files_load_with_expected_kinds(bench):
     assert sorted(p.stem for p in BENCH.glob("*.json")) == sorted(EXPECTED)
     for name, (count, kind) in EXPECTED.items():
@@ -57,7 +53,6 @@ def test_all_eight_files_load_with_expected_kinds(bench):
             assert it.meta["source"] == name
 
 
-@needs_bench
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_gold_scores_correct_against_itself(bench, name):
     for it in bench[name][:20]:
@@ -68,7 +63,6 @@ def test_gold_scores_correct_against_itself(bench, name):
             assert score(pred, it.numbers, it.kind)["correct"], (name, it.id)
 
 
-@needs_bench
 def test_gold_of_another_item_is_mostly_wrong(bench):
     # a judge that accepts everything would pass the test above; this one it would not
     for name, items in bench.items():
@@ -77,7 +71,6 @@ def test_gold_of_another_item_is_mostly_wrong(bench):
         assert sum(shifted) <= 2, name
 
 
-@needs_bench
 def test_choice_items_carry_their_options(bench):
     for it in bench["medqa"]:
         assert len(it.options) == 4 and not it.options[0].startswith("A. ")
@@ -89,7 +82,6 @@ def test_choice_items_carry_their_options(bench):
     assert score("<answer>C</answer>", bench["medqa"][0].gold, "choice", bench["medqa"][0].options)["correct"]
 
 
-@needs_bench
 def test_game24_items_and_every_reference_expression(bench):
     for it in bench["gameof24"]:
         assert len(it.numbers) == 4 and "24" in it.question
@@ -98,7 +90,6 @@ def test_game24_items_and_every_reference_expression(bench):
     assert bench["gameof24"][0].numbers == [1, 1, 1, 8]
 
 
-@needs_bench
 def test_questions_are_clean_and_ids_stable(bench):
     for name in ("aime24", "bamboogle", "hotpotqa"):
         for it in bench[name]:
@@ -113,7 +104,6 @@ def test_questions_are_clean_and_ids_stable(bench):
     assert bench["medqa"][150].id == "150" and bench["medqa"][150].meta["pid"] == "50"
 
 
-@needs_bench
 def test_limit(bench):
     items = load_benchmark(BENCH / "musique.json", limit=5)
     assert [it.id for it in items] == [it.id for it in bench["musique"][:5]]

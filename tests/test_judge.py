@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conftest import SHARED_BENCHMARKS  # noqa: E402
+from conftest import BENCHMARKS  # noqa: E402
 from support.run_log import judge_counts  # noqa: E402
 from judge import (KINDS, Judge, LLMJudge, check_game24, date_key, engine_generate, extract_answer,  # noqa: E402
                    gold_aliases, normalize_text, parse_number, score, score_item, token_f1)
@@ -181,14 +181,11 @@ def test_dates_in_text_answers():
     assert not correct("<answer>January 1964</answer>", "5 January 1964", "text")
 
 
-@pytest.mark.parametrize("path", sorted(SHARED_BENCHMARKS.glob("*.json")) or [None],
-                         ids=lambda p: p.stem if p else "no-benchmark-folder")
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.json")), ids=lambda p: p.stem)
 def test_every_shipped_gold_scores_itself(path):
     """Each benchmark's gold, written back as the model's answer, earns reward 1
     (through the same loader and score_item the training uses)."""
     from support.datasets import load_benchmark
-    if path is None:
-        pytest.skip(f"benchmark folder {SHARED_BENCHMARKS} is absent")
     for it in load_benchmark(str(path)):
         if it.kind == "game24":
             continue  # the reference expression is checked in the game24 tests

@@ -16,7 +16,7 @@ import train
 from train import draw_queries, run
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT.parent / "shared" / "benchmarks"
+BENCH = ROOT / "data" / "benchmarks"
 
 
 def tiny_overrides(model_dir, out_dir, *extra) -> list[str]:
@@ -269,7 +269,6 @@ def test_train_cli_reports_config_errors(capsys):
     assert "train.nope" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not BENCH.exists(), reason="../shared/benchmarks is not beside the repo")
 @pytest.mark.parametrize("name", ["gameof24", "bamboogle"])
 def test_eval_on_official_files_writes_results_and_resumes(tiny_model_dir, tmp_path, name):
     out = tmp_path / name
