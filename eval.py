@@ -31,10 +31,12 @@ and an interrupted evaluation resumes under any number of ranks.
 """
 
 import argparse
+import hashlib
 import json
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -51,8 +53,11 @@ from support.checkpoints import disk_problem
 from support.datasets import Item, load_benchmark, read_jsonl
 from support.device_memory import CaptureError, plan_for, use_expandable_segments
 from support.models import check_model, check_models, load_model, planner_name
+from support.provenance import weights_fingerprint
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
+from support.report.page import write_report
+from support.report.stats import wilson
 from support.seeds import derive_seed
 from support.text import plan_of
 from tools import build_tools, check_toolset
@@ -70,11 +75,15 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
     of its training one; 0 = greedy, the policy's most likely action (config eval.*)."""
     if planner_temperature is not None:
         agent = agent.with_planner_temperature(planner_temperature)
+    judge = judge or Judge()
     out = Path(out_dir)
     results_path = out / "results.jsonl"
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
+    record = made_by(agent, judge, max_turns=max_turns, seed=seed, batch_size=batch_size)  # every rank: same weights
+    refusal = claim(out, record, items) if world.main else None
+    if world.broadcast(refusal):
+        raise ConfigError(refusal)
     done = world.broadcast({r["id"] for r in read_jsonl(results_path)} if world.main else None)  # rank 0's file
+    t0 = time.time()
     todo = [(k, it) for k, it in enumerate(items) if it.id not in done]
     # Seeded by the item's place in the file, so a resumed run samples what the
     # uninterrupted one would have.
@@ -83,7 +92,7 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
         for first in range(0, len(batches), world.size):  # a round: batch first + r on rank r
             b = first + world.rank
             batch_seed = derive_seed("eval_batch", seed, batches[b][0][0]) if b < len(batches) else None
-            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, batch_seed, judge or Judge())
+            rows = (_run_batch(agent, [it for _, it in batches[b]], max_turns, batch_seed, judge)
                     if b < len(batches) else [])
             rounds = world.gather(rows)  # in rank order: the round's batches in item order
             if world.main:
@@ -96,7 +105,59 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
         rows = [r for r in read_jsonl(results_path) if r["id"] in {it.id for it in items}]
         summary = summarize(rows)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # Wall time, this call's added to the earlier ones' (a resume's), kept apart from the
+        # rows and the summary, which are the same from every run of the same setup.
+        clock = out / "seconds.txt"
+        clock.write_text(f"{(float(clock.read_text()) if clock.exists() else 0.0) + time.time() - t0:.1f}\n")
     return world.broadcast(summary)
+
+
+def made_by(agent, judge: Judge, **settings) -> dict:
+    """What decides an evaluation's rows besides its items: the planner's and the frozen
+    modules' weights, the agent's settings (the planner's as it samples here; texts over 80
+    characters, the prompts, by their hash), the tools and their settings, the judge, and
+    `settings` (evaluate's turn budget, seed, batch size: a batch's seed and rows)."""
+    flat = {}
+
+    def add(key, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                add(f"{key}.{k}", v)
+        else:
+            text = json.dumps(value)
+            flat[key] = json.loads(text) if len(text) <= 80 else "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    add("agent", {**asdict(agent.cfg), "planner": asdict(agent.planner_params)})
+    add("tools", {t.name: {k: t.cfg[k] for k in t.settings} for t in agent.tools.values()})
+    return {"planner_weights": weights_fingerprint(agent.planner.model),
+            "modules_weights": weights_fingerprint(agent.frozen.model),
+            "judge": made_by_judge(judge),
+            **settings, **flat}
+
+
+def claim(out: Path, record: dict, items: list[Item]) -> str | None:
+    """Make `out` this evaluation's folder, or say why it is not: a folder holds the rows of
+    one planner under one setup (made_by.json), so a resume never passes another planner's
+    rows off as this one's. None when `out` is new or was made by the same setup, with the
+    same question and gold for every item id it holds; else the refusal, naming what differs."""
+    path, results = out / "made_by.json", out / "results.jsonl"
+    fix = f"give this evaluation another --out, or delete {out} to start it over"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [f"{k}: {old.get(k)!r} there, {record.get(k)!r} here" for k in sorted(old.keys() | record.keys())
+                if old.get(k) != record.get(k)]
+        if diff:
+            return f"{out} holds an evaluation made by another setup ({'; '.join(diff)}): {fix}"
+    elif results.exists():
+        return f"{out} holds results.jsonl but no made_by.json (an older or foreign evaluation): {fix}"
+    by_id = {it.id: it for it in items}
+    changed = [r["id"] for r in read_jsonl(results) if r["id"] in by_id
+               and (r["question"], r["gold"]) != (by_id[r["id"]].question, by_id[r["id"]].gold)]
+    if changed:
+        return f"{out} holds other questions or golds under the ids {', '.join(changed[:5])}: {fix}"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return None
 
 
 def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge) -> list[dict]:
@@ -105,13 +166,13 @@ def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge
     except Exception as e:  # a crash costs the batch, not the run; each item says why
         if isinstance(e, (torch.OutOfMemoryError, CaptureError)):  # not the items' fault: stop and say so
             raise
-        return [_row(it, None, {"correct": False, "f1": 0.0, "extracted": ""},
-                     f"crashed: {type(e).__name__}: {e}") for it in batch]
-    try:
-        verdicts, crash = judge.score_batch([tr.answer for tr in trajs], batch), ""
-    except Exception as e:  # a judge bug costs the batch's verdicts (all wrong), not the run
-        verdicts = [{"correct": False, "f1": 0.0, "extracted": ""} for _ in batch]
-        crash = f"judge crashed: {type(e).__name__}: {e}"
+        trajs, verdicts, crash = [None] * len(batch), None, f"crashed: {type(e).__name__}: {e}"
+    else:
+        try:
+            verdicts, crash = judge.score_batch([tr.answer for tr in trajs], batch), ""
+        except Exception as e:  # a judge bug costs the batch's verdicts (all wrong), not the run
+            verdicts, crash = None, f"judge crashed: {type(e).__name__}: {e}"
+    verdicts = verdicts or [{"correct": False, "f1": 0.0, "extracted": ""} for _ in batch]
     return [_row(it, tr, v, crash) for it, tr, v in zip(batch, trajs, verdicts)]
 
 
@@ -144,6 +205,7 @@ def summarize(rows: list[dict]) -> dict:
         return {"accuracy": sum(r["correct"] for r in rs) / n if n else 0.0, "n": n,
                 "mean_f1": sum(r["f1"] for r in rs) / n if n else 0.0,
                 "mean_turns": sum(r["turns"] for r in rs) / n if n else 0.0,
+                "tool_calls_per_item": sum(len(r["tools"]) for r in rs) / n if n else 0.0,
                 "tool_shares": {t: c / n_calls for t, c in sorted(calls.items())},
                 "plans": {p: c / n for p, c in sorted(plans.items(), key=lambda pc: (-pc[1], pc[0]))},
                 "tool_error_rate": sum(r["tool_errors"] for r in rs) / n_calls if n_calls else 0.0,
@@ -179,6 +241,92 @@ def print_sweep(sweep: dict) -> None:
                   "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
 
 
+# The paper's Table 1 (docs/PAPER.md): accuracy in %, AgentFlow with Qwen2.5-7B-Instruct as
+# every module, (untrained planner, Flow-GRPO planner), by benchmark file in data/benchmarks/.
+PAPER_TABLE_1 = {"bamboogle": (58.4, 69.6), "2wiki": (60.0, 77.2), "hotpotqa": (51.3, 57.0),
+                 "musique": (19.2, 25.3), "gaia": (17.2, 33.1), "aime24": (16.7, 40.0), "amc23": (47.4, 61.5),
+                 "gameof24": (31.0, 53.0), "gpqa": (37.0, 47.0), "medqa": (76.0, 80.0)}
+SEARCH_BENCHMARKS = ("bamboogle", "2wiki", "hotpotqa", "musique", "gaia")  # answered by looking facts up
+BENCHMARKS = Path(__file__).resolve().parent / "data" / "benchmarks"
+
+
+def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
+    """`--suite paper`: every Table 1 benchmark present in data/benchmarks/, for the frozen
+    planner and, with --model, the trained one, each into out/<planner>/<benchmark>/
+    (resumable like any evaluation); then out/table.json and out/table.md with the paper's
+    figures beside ours."""
+    e = cfg["eval"]
+    present = [b for b in PAPER_TABLE_1 if (BENCHMARKS / f"{b}.json").is_file()]
+    absent = [b for b in PAPER_TABLE_1 if b not in present]
+    if absent and world.main:
+        print(f"not in {BENCHMARKS}: {', '.join(absent)} (gated on the hub: `python -m scripts.prepare_data "
+              f"gaia` / `gpqa` writes them there)")
+    rows = {b: {"n": 0, "planners": {}, "paper": dict(zip(("untrained", "trained"), PAPER_TABLE_1[b]))}
+            for b in present}  # the paper's figures in table.json too, for whoever reads it alone
+    for label, planner in planners(cfg, agent, args.model).items():
+        tag = label.split(" ")[0]  # frozen, trained
+        for b in present:
+            items = load_benchmark(str(BENCHMARKS / f"{b}.json"), limit=args.limit or None)
+            s = evaluate(planner, items, out / tag / b, batch_size=args.batch_size or e["batch_size"],
+                         max_turns=args.max_turns or e["max_turns"], seed=e["seed"], desc=f"{tag}, {b}",
+                         planner_temperature=e["planner_temperature"], judge=judge, world=world)
+            if not world.main:
+                continue
+            k = round(s["accuracy"] * s["n"])
+            rows[b]["n"] = s["n"]
+            rows[b]["planners"][tag] = {"accuracy": s["accuracy"], "ci95": wilson(k, s["n"]),
+                                        "tool_calls_per_item": s["tool_calls_per_item"],
+                                        "infra_failures": s["infra_failures"],
+                                        "seconds": float((out / tag / b / "seconds.txt").read_text())}
+    if not world.main:
+        return 0
+    tools, turns = cfg["agent"]["tools"], args.max_turns or e["max_turns"]
+    notes = [f"Comparable with the paper's figures only as far as the setup matches. The paper: Qwen2.5-7B-Instruct "
+             f"as every module, a GPT-4o judge, Google, Wikipedia and web search, up to 10 turns, every item. Here: "
+             f"planner {args.model or planner_name(cfg['model'])}, other modules {cfg['model']['name']}, judge: "
+             f"{made_by_judge(judge)}, tools {', '.join(tools)}, a turn budget of {turns}, "
+             f"{f'the first {args.limit} items of each file' if args.limit else 'every item'}."]
+    if not set(tools) & {"Google_Search", "Wikipedia_Search", "Web_Search"}:
+        notes.append(f"No web search in agent.tools: the facts {', '.join(b for b in SEARCH_BENCHMARKS if b in present)}"
+                     " ask about are not in the local corpus, so their scores here say what the model knows unaided.")
+    notes.append("infra: items where a tool (or the judge) failed after its retries for reasons the model did not "
+                 "cause; they keep their verdict and stay in the accuracy (never counted as the model's tool error).")
+    table = {"benchmarks": rows, "absent": absent, "notes": notes}
+    (out / "table.json").write_text(json.dumps(table, indent=2) + "\n")
+    (out / "table.md").write_text(table_markdown(table))
+    print((out / "table.md").read_text())
+    run = Path(cfg["out_dir"])
+    if (run / "config.json").exists() and out == run / "eval" / "paper":  # a training run's folder: its report
+        write_report(run)
+    return 0
+
+
+def made_by_judge(judge: Judge) -> str:
+    return "rules" if judge.llm is None else f"rules, then LLM {judge.llm.model or '(the frozen modules)'}"
+
+
+def table_markdown(table: dict) -> str:
+    """table.json as a Markdown table: one row per benchmark, ours beside the paper's."""
+    def cell(p):
+        return f"{100 * p['accuracy']:.1f} [{100 * p['ci95'][0]:.0f}, {100 * p['ci95'][1]:.0f}]" if p else "-"
+
+    lines = ["| benchmark | n | frozen [95% CI] | trained [95% CI] | gain | tool calls / item | infra | time (s) "
+             "| paper untrained | paper trained | paper gain |", "|---" * 11 + "|"]
+    for b, (paper_untrained, paper_trained) in PAPER_TABLE_1.items():  # the paper's order
+        r = table["benchmarks"].get(b)
+        paper = f"{paper_untrained} | {paper_trained} | {paper_trained - paper_untrained:+.1f} |"
+        if r is None:
+            lines.append(f"| {b} | absent | | | | | | | {paper}")
+            continue
+        f, t = r["planners"].get("frozen"), r["planners"].get("trained")
+        both = [p for p in (f, t) if p]
+        gain = f"{100 * (t['accuracy'] - f['accuracy']):+.1f}" if f and t else "-"
+        per = lambda key, form: " / ".join(form.format(p[key]) for p in both)  # noqa: E731
+        lines.append(f"| {b} | {r['n']} | {cell(f)} | {cell(t)} | {gain} | {per('tool_calls_per_item', '{:.2f}')} | "
+                     f"{per('infra_failures', '{}')} | {per('seconds', '{:.1f}')} | {paper}")
+    return "\n".join(lines) + "\n\n" + "\n\n".join(table["notes"]) + "\n"
+
+
 def build_agent(cfg: dict, model_path: str | None = None, world=ranks.SINGLE):
     """An AgentSystem from a config: the planner from `model_path` (a trained checkpoint)
     or the configured planner (model.planner, else model.name); executor, verifier and
@@ -199,7 +347,11 @@ def arguments(description: str, prog: str | None = None) -> argparse.ArgumentPar
     """The command line of eval.py and of the commands that probe a planner on a benchmark
     file (scripts/probe_tools.py): the file, the config and its overrides, the planner."""
     ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--benchmark", required=True, help="a JSON benchmark file or a JSONL task file")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--benchmark", help="a JSON benchmark file or a JSONL task file")
+    if prog is None:  # eval.py itself
+        what.add_argument("--suite", choices=["paper"], help="paper: every benchmark of the paper's Table 1 in "
+                          "data/benchmarks/, frozen and (with --model) trained planner, into table.md / table.json")
     ap.add_argument("--config", default="config.yaml")
     ap.add_argument("--limit", type=int, default=0, help="only the first N items (0 = all)")
     ap.add_argument("--max-turns", type=int, default=0, help="turn budget (0 = eval.max_turns of the config)")
@@ -236,8 +388,12 @@ def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], s
     toolset or benchmark file raises ConfigError, FileNotFoundError or ValueError."""
     cfg = load_config(args.config, args.overrides + list(extra_overrides))
     check_run(cfg, training=False, model_path=args.model)
+    if not args.benchmark:  # --suite: each file is read in its turn
+        return cfg, [], args.out or str(Path(cfg["out_dir"]) / "eval" / "paper")
     items = load_benchmark(args.benchmark, limit=args.limit or None)
-    return cfg, items, args.out or str(Path(cfg["out_dir"]) / "eval" / Path(args.benchmark).stem)
+    # By default each planner has a folder of its own (evaluate refuses to resume another's).
+    name = Path(args.benchmark).stem + ("_" + "_".join(Path(args.model).parts).strip("_/") if args.model else "")
+    return cfg, items, args.out or str(Path(cfg["out_dir"]) / "eval" / name)
 
 
 def planners(cfg: dict, agent, model_path: str | None) -> dict:
@@ -285,6 +441,8 @@ def main(argv=None) -> int:
 def _main(args, cfg: dict, items: list[Item], out: str, agent, world) -> int:
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
     e = cfg["eval"]
+    if args.suite:
+        return paper_suite(args, cfg, Path(out), agent, judge, world)
     if args.sweep:
         budgets = [int(b) for b in args.sweep.split(",")]
         sweep = turn_sweep(planners(cfg, agent, args.model), items, budgets,
