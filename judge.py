@@ -10,10 +10,12 @@ first, per answer kind:
             matches the same date written another way ("5 January 1964" ==
             "January 5, 1964"); token F1 is reported too, as partial credit for
             tables, never as the reward
-    number  exact rational equality (Fraction), with a 1e-6 relative tolerance
-            only when a decimal point is involved; a gold or answer that is not
-            a plain number goes to the math rule, except plain arithmetic left
-            undone ("80319 * 9011"): it restates a question, it is no number
+    number  exact rational equality (Fraction); an answer written as a decimal
+            also matches a non-integer gold it rounds, at the precision it was
+            written with (math_answer.rounds_to: "0.333" for 1/3), an integer gold
+            only its own value ("2270750.0", never "2270751.0"); a gold or answer
+            that is not a plain number goes to the math rule, except plain
+            arithmetic left undone ("80319 * 9011"): it restates a question
     math    LaTeX math answers (DeepMath, AIME, AMC): expressions with \\sqrt,
             \\pi, \\frac, powers, functions and variables, intervals, tuples, sets,
             matrices, degrees, percentages, scientific notation (math_answer.py
@@ -57,7 +59,7 @@ from support.config import ConfigError
 from support.registry import Registry
 from support.answers import (KINDS, choice_index, choice_letter, date_key, extract_answer, game24_candidates,
                              game24_number_sets, check_game24, gold_aliases, normalize_text, parse_number,
-                             same_math, strip_option_labels, token_f1, undone_arithmetic, wordy)
+                             same_math, strip_option_labels, token_f1, undone_arithmetic, words)
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
         if any(same_math(ext, g) for g in golds):
             return result(True, 1.0)
         # words ("Yes", "\text{diverges}"): compare them as text
-        ok = any(wordy(ext) and wordy(g) and normalize_text(ext) == normalize_text(g) for g in golds)
+        ok = bool(words(ext)) and any(words(ext) == words(g) for g in golds)
         return result(ok, 0.0)
 
     # text: the extracted answer, and also the whole response (a bare one-line

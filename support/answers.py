@@ -215,21 +215,20 @@ def _plain_number(t: str) -> Fraction | None:
 
 
 def same_number(pred_text: str, gold_text: str) -> bool:
+    """Equal values, or a prediction written as a decimal that is the gold rounded at the
+    precision it was written with (math_answer.rounds_to: "0.333" for 1/3, never "2270751.0"
+    for 2270750)."""
     p, g = parse_number(pred_text), parse_number(gold_text)
     if p is None or g is None:
         return False
-    preds, golds = {p}, {g}
+    unit = math_answer.written_unit(pred_text)
+    preds, golds = [(p, unit)], {g}
     # "50%" against a gold of 0.5 or of 50: accept both readings of the percent sign
     if "%" in pred_text:
-        preds.add(p / 100)
+        preds.append((p / 100, unit and unit / 100))
     if "%" in str(gold_text):
         golds.add(g / 100)
-    if preds & golds:
-        return True
-    # Decimals are often rounded ("0.3333333" for 1/3); integers and fractions never are.
-    if "." in pred_text or "." in str(gold_text):
-        return any(abs(a - b) <= Fraction(1, 10**6) * max(abs(a), abs(b)) for a in preds for b in golds)
-    return False
+    return any(a == b or math_answer.rounds_to(b, a, u) for a, u in preds for b in golds)
 
 
 def same_math(pred_text: str, gold_text: str) -> bool:
@@ -260,10 +259,11 @@ def undone_arithmetic(s: str) -> bool:
             and _SCIENTIFIC.fullmatch(s) is None)
 
 
-def wordy(s: str) -> bool:
-    """Only words: no digits, no operators once LaTeX wrappers are gone."""
+def words(s: str) -> str:
+    """An answer that is only words once LaTeX wrappers are gone, normalised like any text
+    ("\\text{Yes}" -> "yes"); "" when it has digits or operators."""
     t = math_answer.clean(s)[0]
-    return bool(re.fullmatch(r"[A-Za-z][A-Za-z .,'-]*", t))
+    return normalize_text(t) if re.fullmatch(r"[A-Za-z][A-Za-z .,'-]*", t) else ""
 
 
 # --- dates -------------------------------------------------------------------------

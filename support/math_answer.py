@@ -17,12 +17,13 @@ computer algebra system:
      + - * / ^, implicit products "2\\sqrt{3}", \\frac, \\sqrt[n], \\binom, n!, |x|,
      \\pi, e, i, \\infty, sin ... arctan, ln, log, exp) and evaluate it: exactly (Fraction)
      while only rational operations occur, in complex floating point otherwise;
-  4. compare: exact rationals must be equal; floating values within 1e-9 (their own
-     rounding error), or 1e-6 when either side wrote a decimal; an irrational answer
-     matches a gold decimal with k places when it rounds to it ("\\sqrt{2}" for gold
-     "1.41"), never the other way round (a prediction "1.41" for gold "\\sqrt{2}" is
-     wrong); answers with variables are compared at three fixed points (a nonzero
-     difference of two different expressions is almost never zero at all three).
+  4. compare: exact rationals must be equal, floating values within 1e-9 (their own
+     rounding error); a number written as a decimal also matches a value it is the
+     rounding of, at the precision it was written with (rounds_to: "0.333" or "1.414"
+     for gold "1/3" or "\\sqrt{2}", never "2270751.0" for gold 2270750), and so does an
+     irrational answer against a gold decimal ("\\sqrt{2}" for gold "1.41"); answers
+     with variables are compared at three fixed points (a nonzero difference of two
+     different expressions is almost never zero at all three).
 
 Never evaluates anything of the model's but this tree: no eval(), bounded input
 length, bounded exponents and factorials.
@@ -48,7 +49,9 @@ MAX_CHARS = 600          # a real final answer is far shorter; bounds the parser
 MAX_EXPONENT = 4096      # exact integer powers beyond this go to floating point
 MAX_FACTORIAL = 1000
 REL_EXACT = 1e-9         # floating evaluation of an exact expression: rounding error only
-REL_DECIMAL = 1e-6       # someone wrote a decimal: the same tolerance as judge's number kind
+# Significant digits a rounded decimal must show to count as the rounding of a value: with two,
+# "2.3" would be 7/3 and "0.13" 1/8 (a 4% window); with one, "0" would be 0.004.
+MIN_DIGITS = 3
 # Points at which expressions with variables are compared: irrational-ish, of both signs,
 # so that x and |x|, or x^2 and x^4, tell apart.
 POINTS = (0.5772156649, -1.3247179572, 2.2360679775)
@@ -166,7 +169,7 @@ class _Parser:
     unary := (+|-) unary | power ; power := postfix (^ unary)? ; postfix := primary !* ;
     primary := number | variable | constant | (expr) | {expr} | [expr] | |expr| | \\frac{}{}
              | \\sqrt[n]{} | \\binom{}{} | function argument.
-    Nodes are tuples: ("num", Fraction, is_decimal), ("var", name), ("const", name),
+    Nodes are tuples: ("num", Fraction, written_unit), ("var", name), ("const", name),
     ("neg", a), (op, a, b) for add sub mul div pow, ("fact", a), ("fn", name, arg),
     ("log", base, arg), ("root", n, a), ("binom", a, b), ("abs", a)."""
 
@@ -270,13 +273,13 @@ class _Parser:
         kind, text = self.peek()
         if kind == "num" and len(text) > 1 and text.isdigit():
             self.toks[self.i] = ("num", text[1:])
-            return ("num", Fraction(int(text[0])), False)
+            return ("num", Fraction(int(text[0])), None)
         return self.group()
 
     def primary(self):
         kind, text = self.take()
         if kind == "num":
-            return ("num", Fraction(text), "." in text or "e" in text.lower())
+            return ("num", Fraction(text), written_unit(text))
         if kind == "var":
             if self.peek()[1] == "_":  # x_1, a_{n}: one variable's name
                 self.take()
@@ -310,7 +313,7 @@ class _Parser:
         if name == "binom":
             return ("binom", self.group(), self.group())
         if name == "sqrt":
-            n = ("num", Fraction(2), False)
+            n = ("num", Fraction(2), None)
             if self.peek()[1] == "[":
                 self.take()
                 n = self.expr()
@@ -352,10 +355,10 @@ def variables(node) -> set[str]:
     return set().union(*(variables(c) for c in node[1:] if isinstance(c, tuple)))
 
 
-def _has_decimal(node) -> bool:
-    if node[0] == "num":
-        return node[2]
-    return any(_has_decimal(c) for c in node[1:] if isinstance(c, tuple))
+def _literal_unit(node) -> Fraction | None:
+    """The written_unit of a tree that is one number literal ("-0.25" -> 1/100), else None."""
+    node = node[1] if node[0] == "neg" else node
+    return node[2] if node[0] == "num" else None
 
 
 # --- evaluation ---------------------------------------------------------------------
@@ -598,7 +601,7 @@ def structure(text: str, flags: dict):
         i = t.replace("\\mp", "\\pm").index("\\pm")
         return ("set", [structure(t[:i] + "+" + t[i + 3:], flags), structure(t[:i] + "-" + t[i + 3:], flags)])
     tree = parse_expr(t)
-    return ("scalar", tree, dict(flags, decimal=_has_decimal(tree)))
+    return ("scalar", tree, dict(flags, unit=_literal_unit(tree)))
 
 
 def _interval(lo_br, lo, hi, hi_br, flags):
@@ -618,43 +621,60 @@ def parse(text: str):
 
 # --- comparison ----------------------------------------------------------------------
 
+def written_unit(text: str) -> Fraction | None:
+    """One in the last place of the first number in text written with a decimal point or an
+    exponent ("0.333" -> 1/1000, "2.50 km" -> 1/100, "1.5e3" -> 100); None when there is none:
+    an integer or a fraction is exact as written, not rounded."""
+    m = re.search(r"\d*\.(\d+)(?:[eE]([-+]?\d+))?|\d+[eE]([-+]?\d+)", str(text))
+    if not m:
+        return None
+    return Fraction(10) ** (int(m.group(2) or m.group(3) or 0) - len(m.group(1) or ""))
+
+
+def rounds_to(exact, written: Fraction, unit: Fraction | None) -> bool:
+    """Is `written`, a decimal written to `unit` (written_unit), the value `exact` rounded there?
+    Never for an integer `exact`: an integer gold is its own value however large ("2270751.0" is
+    not 2270750 rounded, and a relative tolerance would say it is); and only with MIN_DIGITS
+    significant digits written ("0.00" is not 0.004)."""
+    if unit is None or isinstance(exact, Fraction) and exact.denominator == 1:
+        return False
+    return abs(written) >= 10 ** (MIN_DIGITS - 1) * unit and abs(written - exact) <= unit / 2
+
+
 def _values(node, flags, env):
-    """The value and the ones the decoration also allows: v/100 for a percent (degrees are
-    _same_scalar's), or None where the tree has no value at this point."""
+    """(value, the unit it was written to) and the pairs the decoration also allows: v/100 for
+    a percent (degrees are _same_scalar's), or None where the tree has no value at this point."""
     try:
         v = evaluate(node, env)
     except (_Fail, ZeroDivisionError, OverflowError, ValueError):
         return None
-    out = [v]
+    out = [(v, flags["unit"])]
     if flags.get("percent"):
-        out.append(v / 100 if isinstance(v, Fraction) else complex(v) / 100)
+        unit = flags["unit"] and flags["unit"] / 100
+        out.append((v / 100 if isinstance(v, Fraction) else complex(v) / 100, unit))
     return out
 
 
-def _close(a, b, decimal: bool, gold_places: int | None) -> bool:
-    if isinstance(a, Fraction) and isinstance(b, Fraction):
-        if a == b:
-            return True
-        return decimal and abs(a - b) <= Fraction(1, 10 ** 6) * max(abs(a), abs(b))
-    a, b = complex(a), complex(b)
-    if any(math.isinf(x) for x in (a.real, a.imag, b.real, b.imag)):
-        return a == b
-    if any(math.isnan(x) for x in (a.real, a.imag, b.real, b.imag)):
-        return False
-    diff = abs(a - b)
-    rel = REL_DECIMAL if decimal else REL_EXACT
-    if diff <= rel * max(abs(a), abs(b)) or diff <= 1e-12:
+def _close(a, b) -> bool:
+    """Prediction value a against gold value b, each a (value, written unit) pair."""
+    (a, a_unit), (b, b_unit) = a, b
+    # an exact rational prediction is no rounding of a gold decimal: "\\frac{251}{1000}" is not "0.25"
+    if rounds_to(b, a, a_unit) or not isinstance(a, Fraction) and rounds_to(a, b, b_unit):
         return True
-    # an irrational prediction against a gold written as a rounded decimal
-    return gold_places is not None and diff <= 0.5 * 10 ** -gold_places * (1 + 1e-9)
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return a == b
+    a, b = complex(a), complex(b)
+    if any(math.isinf(x) or math.isnan(x) for x in (a.real, a.imag, b.real, b.imag)):
+        return a == b
+    diff = abs(a - b)
+    return diff <= REL_EXACT * max(abs(a), abs(b)) or diff <= 1e-12
 
 
-def _same_scalar(p, g, g_places) -> bool:
+def _same_scalar(p, g) -> bool:
     (_, pt, pf), (_, gt, gf) = p, g
     vs = variables(pt) - {"e", "i"}
     if vs != variables(gt) - {"e", "i"}:
         return False
-    decimal = pf["decimal"] or gf["decimal"]
     envs = [{}] if not vs else [{v: x + 0.1 * j for j, v in enumerate(sorted(vs))} for x in POINTS]
     agree = 0
     for env in envs:
@@ -665,29 +685,26 @@ def _same_scalar(p, g, g_places) -> bool:
             return False
         if pf["degree"] != gf["degree"]:  # 90^\circ against \frac{\pi}{2}, or against 90
             deg, other = (pv, gv) if pf["degree"] else (gv, pv)
-            deg = deg + [complex(x) * math.pi / 180 for x in deg]
+            deg = deg + [(complex(x) * math.pi / 180, None) for x, _ in deg]
             pv, gv = (deg, other) if pf["degree"] else (other, deg)
-        # rounding credit only for a prediction that is not rational and not itself a decimal
-        places = g_places if not pf["decimal"] else None
-        if not any(_close(a, b, decimal, places if not isinstance(a, Fraction) else None)
-                   for a in pv for b in gv):
+        if not any(_close(a, b) for a in pv for b in gv):
             return False
         agree += 1
     return agree >= (1 if not vs else 2)
 
 
-def same(p, g, g_places=None) -> bool:
+def same(p, g) -> bool:
     """Structural equality with scalar values compared as above."""
     if p is None or g is None:
         return False
     if p[0] == "set" and len(p[1]) == 1 and g[0] != "set":
-        return same(p[1][0], g, g_places)
+        return same(p[1][0], g)
     if g[0] == "set" and len(g[1]) == 1 and p[0] != "set":
-        return same(p, g[1][0], g_places)
+        return same(p, g[1][0])
     if p[0] != g[0]:
         return False
     if p[0] == "scalar":
-        return _same_scalar(p, g, g_places)
+        return _same_scalar(p, g)
     if p[0] == "tuple":
         if len(p[1]) != len(g[1]):
             return False
@@ -710,12 +727,6 @@ def same(p, g, g_places=None) -> bool:
     return False
 
 
-def _gold_places(gold: str) -> int | None:
-    """Decimal places of a gold that is one decimal number ("1.41" -> 2, "-0.5" -> 1)."""
-    m = re.fullmatch(r"[+-]?\d*\.(\d+)", clean(gold)[0])
-    return len(m.group(1)) if m else None
-
-
 def canonical(text: str) -> str:
     """A LaTeX string with the spelling differences removed, for the last-resort text
     comparison (\\mathbb{Z}_2 == \\mathbb Z_{2})."""
@@ -734,5 +745,5 @@ def equivalent(pred: str, gold: str) -> bool:
         return False
     p, g = parse(pred), parse(gold)
     if p is not None and g is not None:
-        return same(p, g, _gold_places(str(gold)))
+        return same(p, g)
     return bool(canonical(pred)) and canonical(pred) == canonical(gold)

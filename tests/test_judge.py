@@ -128,8 +128,7 @@ def test_number_kind():
     assert correct(r"The value is $\boxed{\dfrac{3}{4}}$", "0.75", "number")
     assert correct("<answer>33</answer>", 33, "number")
     assert correct("<answer>m+n = 33</answer>", "33", "number")
-    assert correct("<answer>0.3333333</answer>", "1/3", "number")  # a rounded decimal, within 1e-6
-    assert not correct("<answer>0.333</answer>", "1/3", "number")
+    assert correct("<answer>0.3333333</answer>", "1/3", "number")  # a rounded decimal (more: test_rounded_...)
     assert not correct("<answer>34</answer>", "33", "number")
     assert not correct("<answer>33.001</answer>", "33", "number")
     assert not correct("<answer>I think 33 or 34</answer>", "33", "number")
@@ -137,6 +136,42 @@ def test_number_kind():
     assert correct(r"<answer>2\sqrt{3}</answer>", r"2\sqrt{3}", "number")  # a non-number gold: text fallback
     assert score("<answer>1/2</answer>", "0.5", "number")["f1"] == 1.0
     assert score("<answer>2</answer>", "0.5", "number")["f1"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["number", "math"])
+def test_integer_gold_is_only_its_own_value(kind):
+    """A relative tolerance once paid 2270751.0 for 2270750 and 258460000.0 for 258459975:
+    on large arithmetic answers it rewarded wrong digits."""
+    for pred in ["2270750.0", "2,270,750", "2270750.00", r"2.27075 \times 10^{6}", "2270750 km"]:
+        assert correct(f"<answer>{pred}</answer>", "2270750", kind), pred
+    for pred, gold in [("2270751.0", "2270750"), ("258460000.0", "258459975"), ("2270750.4", "2270750"),
+                       ("2.27e6", "2270750"), ("33.0001", "33"), ("5.0000001", "5")]:
+        assert not correct(f"<answer>{pred}</answer>", gold, kind), (pred, gold)
+
+
+@pytest.mark.parametrize("kind", ["number", "math"])
+def test_rounded_decimal_against_a_non_integer_gold(kind):
+    """A decimal matches a non-integer gold it rounds, at the places it was written with
+    and with at least 3 significant digits."""
+    for pred, gold in [("0.333", "1/3"), ("0.3333", "1/3"), ("0.33333333", "1/3"), ("-0.667", "-2/3"),
+                       ("2.33", "7/3"), ("0.125", "1/8"), ("0.00400", "1/250"), ("33.3%", "1/3"),
+                       ("1.41", r"\sqrt{2}"), ("1.4142", r"\sqrt{2}"), ("3.14", r"\pi")]:
+        assert correct(f"<answer>{pred}</answer>", gold, kind), (pred, gold)
+    for pred, gold in [("0.33", "1/3"),      # 2 significant digits: a 1.5% window
+                       ("0.334", "1/3"), ("0.3334", "1/3"), ("2.3", "7/3"), ("0.13", "1/8"),
+                       ("0", "0.004"), ("0.00", "1/250"), ("0.0", "1/250"), ("33%", "1/3"),
+                       ("1.42", r"\sqrt{2}"), ("1.4143", r"\sqrt{2}"), ("3.15", r"\pi"),
+                       ("2.51", "2.5"),      # 2.5 to two places is 2.50
+                       ("1/3", "0.333")]:    # an exact fraction is no rounding of a gold decimal
+        assert not correct(f"<answer>{pred}</answer>", gold, kind), (pred, gold)
+
+
+@pytest.mark.parametrize("kind", ["number", "math"])
+def test_text_gold_compares_case_insensitively(kind):
+    for pred in ["yes", "YES", "Yes", r"\text{yes}", r"\boxed{\text{YES}}"]:
+        assert correct(pred, r"\text{Yes}", kind), pred
+    for pred in ["no", r"\text{No}", "yes and no", "1"]:
+        assert not correct(pred, r"\text{Yes}", kind), pred
 
 
 def test_math_kind_on_deepmath_style_answers():

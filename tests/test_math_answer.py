@@ -36,8 +36,9 @@ from support.math_answer import clean, equivalent, parse  # noqa: E402
     (r"45^{\circ}", r"\frac{\pi}{4}"), ("30 degrees", "30"),
     # a gold written as a rounded decimal takes an exact irrational answer
     (r"\sqrt{2}", "1.41"), (r"e^{-1}", "0.3679"), (r"\frac{\pi^2}{6}", "1.6449"),
-    # a prediction written as a decimal must be within 1e-6
-    ("1.41421356", r"\sqrt{2}"), ("0.3333333", "1/3"),
+    # a prediction written as a decimal: the value rounded at the places written, 3 significant digits at least
+    ("1.41421356", r"\sqrt{2}"), ("0.3333333", "1/3"), ("1.41", r"\sqrt{2}"), ("0.333", "1/3"), ("-0.0500", "-1/20"),
+    ("0.368", "0.3679"), ("1.23e-2", r"\frac{1}{81}"), (r"33.3\%", "1/3"),
     # variables: compared at fixed points of both signs
     ("2x+2", "2(x+1)"), (r"\frac{1}{2}x", "x/2"), (r"n(n+1)/2", r"\frac{n^2+n}{2}"), ("x^2", "|x|^2"),
     ("a_1 + a_2", "a_2+a_1"), (r"\alpha+1", r"1+\alpha"), ("x^2 + C", "C + x^2"), ("f(x) = x^2", "x^2"),
@@ -62,9 +63,10 @@ def test_equivalent(pred, gold):
 
 
 @pytest.mark.parametrize("pred, gold", [
-    ("1.41", r"\sqrt{2}"),              # a rounded prediction for an exact gold
-    ("0.37", "0.3679"),                 # a prediction less precise than the gold
-    ("0.333", "1/3"), ("0.3333", "1/3"),
+    ("1.42", r"\sqrt{2}"), ("0.3334", "1/3"),  # the value rounds otherwise at the places written
+    ("0.33", "1/3"), ("0.05", "1/21"),  # 2 and 1 significant digits: too few to be the value
+    ("0.37", "0.3679"),                 # it rounds the gold, but with 2 significant digits
+    ("2270751.0", "2270750"), ("3.0000001", "3"),  # an integer gold is its own value, however large
     (r"\frac{\pi^2}{6}", "1.65"),       # rounds to 1.64, not 1.65
     (r"\frac{251}{1000}", "0.25"),      # rational: no rounding credit
     ("2x+1", "2(x+1)"), ("x", "|x|"), ("2", "2x"), ("-1", "1"), (r"-\infty", r"\infty"),
