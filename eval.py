@@ -1,8 +1,9 @@
 """Evaluation: run the agent on a benchmark file, score every item, summarise.
 
-    python eval.py --benchmark ../shared/benchmarks/bamboogle.json [--config config.yaml]
+    python eval.py --benchmark data/benchmarks/bamboogle.json [--config config.yaml]
                    [--limit N] [--max-turns T] [--out DIR] [--model PATH] [--force-tool NAME]
                    [--sweep 1,2,3]
+    python eval.py --suite paper [--model PATH] [--limit N] [--out DIR]    Table 1, see below
     torchrun --nproc_per_node K eval.py --benchmark ...      the items shared by K processes
 
 Paper, section 3 (Table 1): accuracy of the whole system per benchmark, and the
@@ -20,8 +21,21 @@ flatter the accuracy, as dropping crashed problems does. Its row counts the fail
 the others (accuracy_without_infra), so a reader sees what the outage cost.
 
 Output: DIR/results.jsonl, one row per item (question, gold, answer, correct, turns,
-tools, errors, the full trajectory), and DIR/summary.json. A run resumes: items whose
-id is already in results.jsonl are skipped, so an interrupted evaluation loses nothing.
+tools, errors, the full trajectory), DIR/summary.json, DIR/seconds.txt (wall time) and
+DIR/made_by.json: what produced the rows (the planner's weights, the settings). A run
+resumes: items whose id is already in results.jsonl are skipped, so an interrupted
+evaluation loses nothing; a folder made by another planner or setup is refused, naming
+the difference, so no evaluation passes another's rows off as its own. DIR defaults to
+OUT_DIR/eval/<benchmark>, with the --model path appended for a trained planner.
+
+`--suite paper` is the paper's Table 1: every benchmark file in data/benchmarks/ (the ten
+of the paper where present; GAIA and GPQA come from scripts/prepare_data.py), for the
+configured (frozen) planner and, with --model, the trained one, into
+DIR/<frozen|trained>/<benchmark>/; then DIR/table.json and DIR/table.md: per benchmark
+the items, each planner's accuracy with its 95% interval, the gain, tool calls per item,
+items with an infrastructure failure, wall time, and the paper's figures beside ours,
+with what makes the two comparable or not. DIR defaults to OUT_DIR/eval/paper, where the
+run's report.html shows the table.
 
 Under torchrun (support/ranks.py) the batches are dealt to the ranks in turn, each batch
 exactly the one a single process would run, with the same seed; rank 0 gathers every

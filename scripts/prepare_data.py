@@ -32,7 +32,7 @@ preparation and the datasets' cards:
          metadata.jsonl), fields task_id, Question, Level, Final answer, file_name.
          GATED: accept its terms on the dataset's page with your hub account, then
          log in or set HF_TOKEN. Its terms forbid resharing: keep the output out of
-         public repositories (data/benchmarks/ is git-ignored). The official
+         public repositories (gaia.json and gpqa.json are git-ignored). The official
          evaluation keeps the 127 of 165 validation tasks without an attached file
          (the agent cannot open attachments); --with-files keeps all.
          -> gaia.json, a list of {"pid", "task_id", "query", "answer", "kind",

@@ -1,6 +1,6 @@
 """Benchmark files -> a uniform list of Items (query q, gold answer y*, answer kind).
 
-This is the data side of the paper's evaluation (PAPER.md sections 3 and 5): the
+This is the data side of the paper's evaluation (docs/PAPER.md, data/benchmarks/): the
 benchmark files come in the official AgentFlow format, a JSON list whose rows
 name the same things differently - an id in pid / idx / id, the question in
 query / question / problem, the answer as a list, a string, a number or a

@@ -200,3 +200,10 @@ def test_game24_variants(tmp_path):
     rows = [{"query": "Using the numbers [2, 3, 4, 1], make 24.", "answer": "2*3*4*1"}]
     it = load_benchmark(write_json(tmp_path, "game_of_24_extra.json", rows))[0]
     assert it.kind == "game24" and it.numbers == [2, 3, 4, 1]
+
+
+def test_the_folders_readme_names_every_file_with_its_item_count():
+    """data/benchmarks/README.md's table: one row per shipped file, with its real item count."""
+    rows = [line.split(" | ") for line in (BENCH / "README.md").read_text().splitlines() if line.startswith("| ")
+            and line.split(" | ")[0][2:].endswith(".json")]
+    assert {r[0][2:]: int(r[1]) for r in rows} == {f"{name}.json": count for name, (count, _) in EXPECTED.items()}

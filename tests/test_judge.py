@@ -507,11 +507,12 @@ def test_engine_generate_forces_a_verdict_on_the_local_engine(tiny_llm):
     assert v[1]["judge"] == "rule" and v[0]["judge"] in ("llm", "rule")
 
 
-def test_eval_scores_through_the_configured_judge(server, tmp_path):
+def test_eval_scores_through_the_configured_judge(server, tmp_path, monkeypatch):
     """eval.evaluate with an LLM judge on a loopback endpoint: each result row and the
-    summary say who decided (a stand-in agent, so no model is needed)."""
+    summary say who decided (a stand-in agent, so no model is needed, nor its fingerprint)."""
     import eval as evaluation
     from support.datasets import Item
+    monkeypatch.setattr(evaluation, "made_by", lambda agent, judge, **settings: {"agent": "a stand-in"})
 
     class Traj:
         def __init__(self, answer):
