@@ -77,10 +77,14 @@ def test_other_questions_under_the_same_ids_are_refused(tiny_model_dir, tmp_path
 def test_suite_paper_writes_the_table_with_the_papers_figures(tiny_model_dir, tmp_path):
     """--suite paper --limit 1 --model: the eight shipped benchmarks for both planners (here
     the same weights, so the same rows), GAIA and GPQA named absent, the paper's two rows
-    beside ours in table.json and table.md; a second call with --limit 2 resumes."""
-    out = tmp_path / "suite"
+    beside ours in table.json and table.md, and in the run's report; a second call with
+    --limit 2 resumes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")  # a training run's folder: its report shows the table
+    out = run / "eval" / "paper"  # the default --out
     args = ["--suite", "paper", "--config", str(ROOT / "config.yaml"), "--limit", "1", "--model", tiny_model_dir,
-            "--out", str(out), f"model.name={tiny_model_dir}", *FAST]
+            f"out_dir={run}", f"model.name={tiny_model_dir}", *FAST]
     assert evaluation.main(args) == 0
     table = json.loads((out / "table.json").read_text())
     shipped = sorted(p.stem for p in (ROOT / "data" / "benchmarks").glob("*.json"))
@@ -97,6 +101,8 @@ def test_suite_paper_writes_the_table_with_the_papers_figures(tiny_model_dir, tm
     assert [line.split(" | ")[0][2:] for line in lines] == list(evaluation.PAPER_TABLE_1)  # the paper's order
     assert re.search(r"\| musique \| 1 \| .* \| 19\.2 \| 25\.3 \| \+6\.1 \|$", md, re.M)
     assert "| gaia | absent |" in md and "Qwen2.5-7B-Instruct" in md and "No web search in agent.tools" in md
+    page = (run / "report.html").read_text()
+    assert "Table 1 beside ours" in page and "<th>musique</th><td>1</td>" in page and "25.3%" in page
     assert evaluation.main(args[:5] + ["2"] + args[6:]) == 0
     assert all(r["n"] == 2 for r in json.loads((out / "table.json").read_text())["benchmarks"].values())
 

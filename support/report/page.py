@@ -224,6 +224,7 @@ def section_before_after(run: dict) -> str:
         parts.append(tool_share_table(run))
         parts.append(plan_table(run))
     parts.append(turn_sweep_html(run))
+    parts.append(paper_table_html(run))
     if b or a:
         parts.append(section_items(run, br, ar))
     if run["other_evals"]:
@@ -379,6 +380,32 @@ def section_items(run: dict, br: list | None, ar: list | None) -> str:
             '<span id="item-status" class="status" role="status"></span></div>'
             '<div id="item-list"><p class="note">The item list needs JavaScript.</p></div>'
             f'<script type="application/json" id="items-data">{embed_json(data)}</script>')
+
+
+# The paper's Table 1 beside ours, when eval.py --suite paper has written it.
+
+
+def paper_table_html(run: dict) -> str:
+    """eval/paper/table.json: per benchmark the items, each planner's accuracy with its 95%
+    interval, and the paper's two figures; the table's notes under it."""
+    table = run["paper_table"]
+    if not table:
+        return ""
+
+    def acc(p):
+        return (f"<td>{esc(pct(p.get('accuracy')))} [{esc(pct(p['ci95'][0]))}, {esc(pct(p['ci95'][1]))}]</td>"
+                if isinstance(p, dict) and isinstance(p.get("ci95"), list) else "<td>—</td>")
+
+    body = "".join(f"<tr><th>{esc(b)}</th><td>{esc(r.get('n'))}</td>{acc(r['planners'].get('frozen'))}"
+                   f"{acc(r['planners'].get('trained'))}<td>{esc(r['paper'].get('untrained'))}%</td>"
+                   f"<td>{esc(r['paper'].get('trained'))}%</td></tr>"
+                   for b, r in table["benchmarks"].items() if isinstance(r, dict) and "planners" in r)
+    return ("<h3>The paper's Table 1 beside ours (eval.py --suite paper)</h3><table class=\"grid\"><thead><tr><th></th>"
+            "<th>n</th><th>frozen [95%]</th><th>trained [95%]</th><th>paper, untrained</th><th>paper, trained</th>"
+            f"</tr></thead><tbody>{body}</tbody></table>"
+            + "".join(note(str(n), "note small") for n in table.get("notes") or [])
+            + (note(f"Absent from data/benchmarks/: {', '.join(map(str, table['absent']))}.", "note small")
+               if table.get("absent") else ""))
 
 
 # The test-time turn-budget sweep, when the run has one.
