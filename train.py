@@ -24,7 +24,9 @@ checkpoints/step_N/ (what a resume needs; the newest only), model/ (the trained 
 whole, at the end), learning.json (held-out and paraphrase before vs after), run.json (where it ran)
 and report.html. An interrupted run resumes from its checkpoint
 and reaches the weights an uninterrupted one does: the data order and every seed are
-functions of (seed, step) (support/seeds.py).
+functions of (seed, step) (support/seeds.py). It resumes under its own config only, but for
+what may change on a resume (support/config.py, RESUMABLE); an out_dir that holds another run,
+or this one under another config, is refused before any model loads.
 
 Before any weight is loaded, the memory plan (support/device_memory.py) is printed, and
 a run that cannot fit `model.memory_gb` stops there, naming the knob to turn.
@@ -55,7 +57,7 @@ from eval import check_run, evaluate
 from flow_grpo import LossConfig, UpdateConfig, frozen_reference, kept_groups, kept_rows, policy_update
 from judge import TURN_SCORES, Judge, Reward
 from support import ranks
-from support.checkpoints import export_model, resume, save_checkpoint
+from support.checkpoints import check_out_dir, export_model, resume, save_checkpoint
 from support.config import ConfigError, load_config
 from support.datasets import load_benchmark
 from support.device_memory import PlanError, plan_for, use_expandable_segments
@@ -87,6 +89,7 @@ def main(argv: list[str]) -> int:
             print(plan.text())
             return 0 if plan.fits else 3
         check_run(cfg)  # data, judge, tools, reward, models: all problems at once, before minutes of loading
+        check_out_dir(cfg)  # out_dir is new, or this config's run to resume: no other run is overwritten
     except ConfigError as e:
         for line in str(e).splitlines():
             print(f"config error: {line}", file=sys.stderr)
@@ -175,7 +178,8 @@ def run(cfg: dict) -> dict:
     paraphrase_before = paraphrase_eval(0) if paraphrase else None
     start = resume(out, model, optimizer, world) if cfg["resume"] else 0
     if start and world.main:
-        print(f"resumed from {out}/checkpoints/step_{start}", flush=True)
+        print(f"resumed from {out}/checkpoints/step_{start}" + (": nothing left to train (raise train.steps to go on)"
+                                                                 if start == t["steps"] else ""), flush=True)
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
                disable=not world.main)
     dry = 0  # steps in a row that trained on nothing because the tools' or the judge's infrastructure failed

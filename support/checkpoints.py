@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from support.config import RESUMABLE, ConfigError, resume_conflicts
 from support.ranks import SINGLE
 from support.seeds import rng_state, set_rng_state
 
@@ -69,6 +70,11 @@ def resume(out: Path, model, optimizer, world=SINGLE) -> int:
     a rank that cannot stops the run, on every rank, rather than train from other weights."""
     found = sorted(checkpoints(out)) if world.main else []
     step = world.broadcast(found[-1][0] if found else 0)
+    # Metrics rows written after this checkpoint (after none: every row) belong to steps that will run again.
+    metrics = out / "metrics.jsonl"
+    if world.main and metrics.exists():
+        rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
+        metrics.write_text("".join(r + "\n" for r in rows))
     if not step:
         return 0
     path = out / "checkpoints" / f"step_{step}"
@@ -87,12 +93,34 @@ def resume(out: Path, model, optimizer, world=SINGLE) -> int:
     if changed and world.main:
         print(f"resuming with this run's settings: {'; '.join(changed)}", flush=True)
     set_rng_state(state["rng"])  # rank 0's; every rank seeded the same and draws from its own generators
-    # Metrics rows written after this checkpoint belong to steps that will run again.
-    metrics = out / "metrics.jsonl"
-    if world.main and metrics.exists():
-        rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
-        metrics.write_text("".join(r + "\n" for r in rows))
     return step
+
+
+def check_out_dir(cfg: dict) -> None:
+    """Refuse, before anything is written, a start that would mix two runs in out_dir: files
+    that are no run's, a run started over there (resume=false), or a resume whose config
+    differs from the run's config.json in a key that may not change (config.RESUMABLE).
+    A ConfigError naming each key, its two values and the fix."""
+    out = Path(cfg["out_dir"])
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    fix = f"set out_dir to a folder of its own, or delete {out} to start it over"
+    saved = out / "config.json"
+    if not saved.is_file():  # train.py writes it first: a run's folder always has one
+        raise ConfigError(f"out_dir {out} holds files but no config.json: it is no run's folder; {fix} (to go on "
+                          f"with a run copied there, copy its config.json too)")
+    if not cfg["resume"]:
+        raise ConfigError(f"out_dir {out} holds a run and resume=false starts another there, whose metrics, "
+                          f"evaluations and checkpoints would mix with it; {fix}")
+    conflicts = resume_conflicts(json.loads(saved.read_text()), cfg)
+    if conflicts:
+        raise ConfigError("\n".join([f"out_dir {out} holds a run of another config; resuming it would go on with "
+                                      f"that run under these settings:"] + [f"  {c}" for c in conflicts]
+                                     + [f"{fix}; on a resume only these may change: {', '.join(sorted(RESUMABLE))}"]))
+    done = max((step for step, _ in checkpoints(out)), default=0)
+    if done > cfg["train"]["steps"]:
+        raise ConfigError(f"train.steps={cfg['train']['steps']}, but the run in {out} is checkpointed at step {done}; "
+                          f"set train.steps={done} or more to resume it, or {fix}")
 
 
 def load_trained(model, trained: dict, where) -> None:

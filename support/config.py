@@ -11,6 +11,7 @@ in one line before any model is loaded (minutes at 7B), not with a traceback aft
 """
 
 import copy
+import json
 import os
 import re
 from pathlib import Path
@@ -21,7 +22,9 @@ import yaml
 DEFAULTS = {
     "seed": 0,  # one seed drives data order, sampling and initialisation
     "out_dir": "runs/default",  # metrics.jsonl, checkpoints/, eval/, report.html land here
-    "resume": True,  # continue from the latest checkpoint in out_dir if there is one
+    # continue out_dir's run from its latest checkpoint (with its config, but for RESUMABLE);
+    # false: out_dir must hold no run (support/checkpoints.check_out_dir)
+    "resume": True,
     "model": {
         "name": "smollm2-135m",  # HF name or path; "smollm2-135m" = the offline default (support/models.py)
         # The planner's own model, trained from these weights (pi_ref is their frozen copy);
@@ -325,6 +328,37 @@ def _check_combinations(cfg: dict) -> None:
     if any(n.strip() not in a["tools"] for n in a["force_tool"].split(",") if a["force_tool"]):
         raise ConfigError(f"agent.force_tool is {a['force_tool']!r}, naming a tool that is not in agent.tools "
                           f"({', '.join(a['tools'])}); name one of those or leave it empty")
+
+
+# What may differ between a run's config.json and the config that resumes it
+# (support/checkpoints.check_out_dir): the folder's name, how far the run goes, when it saves,
+# evaluates or gives up on broken infrastructure, and where and in what pieces it computes
+# (memory only: the plan's knobs). None changes what a step computes, but for another device's
+# rounding (run.json records each process's). Any other difference (train.lr included; and
+# eval.batch_size, which seeds a sampled evaluation's batches) would go on with one experiment's
+# checkpoint, metrics and evaluations under another's settings, in a config.json that would
+# then claim settings its earlier steps never ran with.
+RESUMABLE = {"out_dir", "resume", "train.steps", "train.save_every", "train.eval_every", "train.eval_before_after",
+             "train.max_infra_steps", "model.device", "model.threads", "model.memory_gb", "model.max_prompt_tokens",
+             "model.prefill_tokens", "train.micro_batch", "train.logits_chunk", "judge.max_workers"}
+
+
+def resume_conflicts(saved: dict, cfg: dict) -> list[str]:
+    """'key: saved -> new' for each key outside RESUMABLE whose value in `cfg` is not the one
+    in `saved` (a run's config.json). A key `saved` lacks (added to the code since that run
+    began) counts as its default, which is what the code did before the key existed."""
+    old, new = {**dotted(DEFAULTS), **dotted(saved)}, dotted(json.loads(json.dumps(cfg)))  # as config.json holds it
+    show = lambda values, key: repr(values[key]) if key in values else "(not set)"
+    return [f"{key}: {show(old, key)} -> {show(new, key)}" for key in sorted(old.keys() | new.keys())
+            if key not in RESUMABLE and old.get(key, EMPTY) != new.get(key, EMPTY)]
+
+
+def dotted(cfg: dict, prefix: str = "") -> dict:
+    """{"train.lr": 2e-05, ...}: every value of a nested config by its dotted key."""
+    flat = {}
+    for key, value in cfg.items():
+        flat.update(dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
 
 
 # ----------------------------------------------------------------------------------------

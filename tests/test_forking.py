@@ -18,6 +18,7 @@ import memory
 import tools
 import train
 from scripts import tiny_model
+from support.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "docs" / "FORKING.md").read_text()
@@ -70,14 +71,17 @@ def fork(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+# Appended to a recipe's command: one step on short generations.
+ONE_STEP = ("train.steps=1", "train.queries_per_step=2", "train.group_size=2", "train.eval_before_after=false",
+            "agent.planner.max_new_tokens=6", "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6")
+
+
 def run_recipe(number: int, folder: Path, *fast: str) -> Path:
     files, args = recipe(number)
     for name, code in files.items():
         (folder / name).write_text(code)
     out = folder / "run"
-    assert train.main(args + [f"out_dir={out}", "train.steps=1", "train.queries_per_step=2", "train.group_size=2",
-                              "train.eval_before_after=false", "agent.planner.max_new_tokens=6",
-                              "agent.executor.max_new_tokens=8", "agent.generator.max_new_tokens=6", *fast]) == 0
+    assert train.main(args + [f"out_dir={out}", *ONE_STEP, *fast]) == 0
     return out
 
 
@@ -126,7 +130,7 @@ def test_recipe_4_a_planner_model_of_ones_own(fork):
 def test_the_tiny_model_check_runs_as_written(fork):
     """The guide's opening check: a tiny random model built offline, the smoke config on it."""
     builds, args = commands(GUIDE[:GUIDE.index("## 1. ")])
-    assert builds == [["models/tiny"]] and args == ["configs/smoke.yaml", "model.name=models/tiny"]
+    assert builds == [["models/tiny"]] and args == ["configs/smoke.yaml", "out_dir=runs/tiny", "model.name=models/tiny"]
     assert tiny_model.main(builds[0]) == 0
     out = fork / "run"
     assert train.main(args + [f"out_dir={out}"]) == 0
@@ -169,3 +173,19 @@ def test_recipe_7_a_prompt_of_ones_own(fork, tiny_model_dir):
     ran = json.loads((out / "prompts.json").read_text())
     assert ran["generator"].startswith("You answer a question from the memory of tool results.")
     assert "Available tools" in ran["planner"]  # the others as shipped
+
+
+def test_the_guide_run_top_to_bottom_as_printed_trains_every_command(fork):
+    """A user's way through the guide: every block in order, in one working folder, each
+    command with the out_dir it prints (on the opening check's tiny model, one step). Each
+    trains its step in a folder no earlier command wrote: one folder for all would hold
+    another config's run, which a run refuses rather than resume and train nothing."""
+    for text in [GUIDE[:GUIDE.index("## 1. ")], *SECTIONS[:7]]:
+        for name, code in re.findall(r"```python file=(\S+)\n(.*?)```", text, flags=re.S):
+            (fork / name).write_text(code)
+        builds, args = commands(text)
+        assert all(tiny_model.main(build) == 0 for build in builds)
+        out = fork / load_config(args[0], args[1:])["out_dir"]  # where the command as printed writes
+        assert not out.exists(), f"{text.splitlines()[0]}: {out} holds an earlier command's run"
+        assert train.main(args + ["model.name=models/tiny", *ONE_STEP]) == 0, text.splitlines()[0]
+        assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -161,8 +161,9 @@ def test_each_check_can_fail(name, monkeypatch, capsys):
 
 
 def test_a_resume_that_drifts_fails(monkeypatch, capsys):
-    """The resumed leg draws other rollouts (another seed): its weights are not the straight run's."""
-    runs = [("straight", 2, ()), ("resumed", 1, ()), ("resumed", 2, ("seed=1",))]
+    """The interrupted run draws other rollouts (another seed, in both legs: a resume under
+    another config is refused): its weights are not the straight run's."""
+    runs = [("straight", 2, ()), ("resumed", 1, ("seed=1",)), ("resumed", 2, ("seed=1",))]
     monkeypatch.setattr(gpu_check, "TRAIN_RUNS", runs)
     assert run("train", capsys)["train_resumed_drift_over_training"] == "FAIL"
 
