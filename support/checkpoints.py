@@ -102,7 +102,8 @@ def check_out_dir(cfg: dict) -> None:
     differs from the run's config.json in a key that may not change (config.RESUMABLE).
     A ConfigError naming each key, its two values and the fix."""
     out = Path(cfg["out_dir"])
-    if not out.is_dir() or not any(out.iterdir()):
+    # eval.py's evaluations may come first (out_dir/eval/...): each folder guards its own rows.
+    if not out.is_dir() or all(p.name == "eval" for p in out.iterdir()):
         return
     fix = f"set out_dir to a folder of its own, or delete {out} to start it over"
     saved = out / "config.json"

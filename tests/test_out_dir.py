@@ -44,6 +44,9 @@ def test_another_config_is_refused_naming_each_key_and_the_run_stays_as_it_was(t
     assert main(args + [f"out_dir={tmp_path / 'notes'}"]) == 2
     assert "no config.json" in capsys.readouterr().err and sorted((tmp_path / "notes").iterdir()) == [
         tmp_path / "notes" / "todo.txt"]
+    # eval.py's evaluations (out_dir/eval/...) may come before the run: it trains there
+    (tmp_path / "evaluated" / "eval" / "bamboogle").mkdir(parents=True)
+    assert main(args + [f"out_dir={tmp_path / 'evaluated'}"]) == 0 and steps(tmp_path / "evaluated") == [1]
 
 
 def test_what_may_change_on_a_resume_resumes_and_trains_the_steps_it_adds(tiny_model_dir, tmp_path, capsys):
