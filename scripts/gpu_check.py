@@ -619,7 +619,8 @@ def check_paper(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
                            capture_output=True, text=True, timeout=3600, env=env)
         r.figure("paper_run_s", time.perf_counter() - t0)
         print("\n".join(line for line in p.stdout.splitlines() if line.startswith(("memory plan", "  ", "disk",
-                                                                                   "evaluation"))), flush=True)
+                                                                                   "evaluation", "whole run"))),
+              flush=True)
         if p.returncode:
             print((p.stdout + p.stderr)[-3000:], flush=True)
         r.check("paper_exit_code", p.returncode)

@@ -119,6 +119,8 @@ class Plan:
     prefill_tokens: int | None = None  # engine.LLM.prefill_tokens
     update_tokens: int = 0  # flow_grpo.micro_batches' max_tokens (0 = no cap)
     rows_per_sub_batch: int = 0
+    rollout_rows: int = 0  # a step's rollouts on this device, in rollout_sub_batches sampler calls
+    rollout_sub_batches: int = 0
     micro_batch: int = 0  # the update's rows per forward this plan was made for (train.micro_batch)
     problems: list[str] = field(default_factory=list)  # why it cannot fit, each naming a knob
     # On disk (support/checkpoints.py): one checkpoint (the trained weights in fp32, as
@@ -128,6 +130,8 @@ class Plan:
     checkpoint_bytes: float = 0.0
     export_bytes: float = 0.0
     evaluation: list[str] = field(default_factory=list)  # what the held-out evaluations cost (evaluation_cost)
+    whole_run: list[str] = field(default_factory=list)  # the run in all: hours, disk, web-search calls (whole_run)
+    weight_bytes: float = 0.0  # every model's weights (the frozen modules' own model too): the model's disk
 
     @property
     def disk_bytes(self) -> float:
@@ -157,7 +161,7 @@ class Plan:
         out.append(f"disk: a checkpoint {self.checkpoint_bytes / GB:.2f} GB (the trained weights in fp32, AdamW's "
                    f"moments), the final export {self.export_bytes / GB:.2f} GB (the whole model); out_dir needs "
                    f"{self.disk_bytes / GB:.2f} GB free")
-        return "\n".join(out + self.evaluation)
+        return "\n".join(out + self.evaluation + self.whole_run)
 
     @contextmanager
     def guard(self, where: str):
@@ -245,6 +249,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
         add(("reserve: " + ("CUDA context, allocator slack (1 GB + 3%)" if device == "cuda"
                             else "allocator slack (3%)"), reserve, ""))
     plan.resident = weights + ref_copies + opt + reserve
+    plan.weight_bytes = weights
     add(("= resident", plan.resident, ""))
 
     # The sampler: one sub-batch's cache at its final size, plus what its prefill or its
@@ -269,6 +274,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
         plan.prefill_tokens = cap
     rows = min(plan.rows_per_sub_batch, rollout_rows) if budget is not None else rollout_rows
     rollout_sub_batches = -(-rollout_rows // rows) if rows else 0
+    plan.rollout_rows, plan.rollout_sub_batches = rollout_rows, rollout_sub_batches
     eval_sub_batches = -(-eval_rows // rows) if rows else 0
     kv = rows * row_kv
     add((f"sampler, one sub-batch: KV cache of {rows} rows x ({max_prompt} + {max_new}) tokens", kv,
@@ -455,34 +461,57 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
             if not bigger.fits:
                 break
             best = bigger
-    best.evaluation = evaluation_cost(cfg, best, ranks)
+    best.evaluation, eval_steps, eval_items = evaluation_cost(cfg, best, ranks)
+    best.whole_run = whole_run(cfg, best, ranks, eval_steps, eval_items)
     return best
 
 
 # A decode step reads every weight once, so its time grows with their bytes: an H200 stepped
 # the 7B shape (15.2 GB in bf16, 85 rows, the decode graph) at about 21 ms
 # (docs/gpu/gpu_check_h200_2026-12-04.txt: 2,479 tokens/s eagerly, 1.61x that replayed).
-# An H100's memory is about 1.4x slower.
 CUDA_DECODE_S_PER_WEIGHT_GB = 0.021 / 15.23
+# An H100's memory is about 1.4x slower (3.35 against 4.8 TB/s, NVIDIA's figures), so are its
+# decode steps; its bf16 compute is the H200's, so an update takes as long on both.
+H100_DECODE_SLOWER = 1.4
+# An update (policy_update: pi_old's and the reference's forwards, the loss's forward and backward, the
+# optimizer step) grows with its tokens and, like the decode, the weights' bytes: an H200 updated the 7B
+# shape (train_layers 8, micro_batch 2, rows of 1,619 tokens) at 0.116 and 0.156 s a row
+# (docs/gpu/gpu_check_h200_2026-12-04.txt, time_card_update_s_per_row; the slower one here).
+CUDA_UPDATE_S_PER_TOKEN_WEIGHT_GB = 0.156 / 1619 / 15.23
+# The paper's suite (Table 1): eval.py --suite paper evaluates every file here, the planner frozen and trained.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+PAPER_BENCHMARKS = 10
 
 
-def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> list[str]:
-    """The held-out evaluations a run makes, their size and, on CUDA, their time at most:
-    every row takes every turn and every module its max_new_tokens (rows that stop early,
-    and the tools' own time, are not counted)."""
-    t, e, a = cfg["train"], cfg["eval"], cfg["agent"]
+def decode_steps(a: dict, turns: int) -> int:
+    """A sub-batch's decode steps at most: every row takes every turn and every module its
+    max_new_tokens (rows that stop early are counted at full length)."""
+    return turns * sum(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier")) \
+        + a["generator"]["max_new_tokens"]
+
+
+def evaluation_steps(cfg: dict, plan: Plan, items: int, ranks: int = 1) -> int:
+    """The decode steps of evaluating `items` items: eval.batch_size a round on each rank."""
+    e = cfg["eval"]
+    rounds = -(-items // (e["batch_size"] * ranks))
+    sub_batches = -(-e["batch_size"] // plan.rows_per_sub_batch) if plan.rows_per_sub_batch else 1
+    return rounds * sub_batches * decode_steps(cfg["agent"], e["max_turns"])
+
+
+def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> tuple[list[str], int | None, int | None]:
+    """The held-out evaluations a run makes, their size and, on CUDA, their time at most (the
+    tools' own time not counted); with their decode steps and items in all (None: not known
+    here), for whole_run."""
+    t, e = cfg["train"], cfg["eval"]
     times = 2 * t["eval_before_after"] + ((t["steps"] - 1) // t["eval_every"] if t["eval_every"] else 0)
     if not times:
-        return ["evaluation: none (train.eval_before_after false, train.eval_every 0)"]
+        return ["evaluation: none (train.eval_before_after false, train.eval_every 0)"], 0, 0
     path = Path(cfg["data"]["heldout"])
     if not path.is_file() and not e["limit"]:
-        return [f"evaluation: every row of data.heldout ({path}: not found here), {times} times"]
+        return [f"evaluation: every row of data.heldout ({path}: not found here), {times} times"], None, None
     items = sum(1 for line in path.open() if line.strip()) if path.is_file() else e["limit"]
     items = min(items, e["limit"] or items)
-    rounds = -(-items // (e["batch_size"] * ranks))  # each rank runs a batch a round
-    sub_batches = -(-e["batch_size"] // plan.rows_per_sub_batch) if plan.rows_per_sub_batch else 1
-    per_turn = sum(a[k]["max_new_tokens"] for k in ("planner", "executor", "verifier"))
-    steps = rounds * sub_batches * (e["max_turns"] * per_turn + a["generator"]["max_new_tokens"])
+    steps = evaluation_steps(cfg, plan, items, ranks)
     out = [f"evaluation: {items} held-out items (eval.limit, data.heldout) in batches of {e['batch_size']} "
            f"(eval.batch_size) at up to {e['max_turns']} turns (eval.max_turns), {times} times "
            f"(train.eval_before_after: before and after; train.eval_every: between)"
@@ -491,11 +520,61 @@ def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> list[str]:
            f"  each: at most {steps:,} decode steps (turns x the planner's, executor's and verifier's "
            f"max_new_tokens + the generator's, a sub-batch at a time)"]
     if plan.device == "cuda":
-        weight_gb = plan.shape.params * torch.finfo(getattr(torch, plan.dtype)).bits / 8 / GB
-        minutes = steps * CUDA_DECODE_S_PER_WEIGHT_GB * weight_gb / 60
-        out[-1] += (f": about {minutes:.0f} min on an H200 ({times * minutes:.0f} in all), {1.4 * minutes:.0f} on "
-                    f"an H100, tools' time aside; the first runs before step 1")
-    return out
+        minutes = steps * CUDA_DECODE_S_PER_WEIGHT_GB * plan.export_bytes / GB / 60
+        out[-1] += (f": about {minutes:.0f} min on an H200 ({times * minutes:.0f} in all), "
+                    f"{H100_DECODE_SLOWER * minutes:.0f} on an H100, tools' time aside; the first runs before step 1")
+    return out, times * steps, times * items
+
+
+def whole_run(cfg: dict, plan: Plan, ranks: int, eval_steps: int | None, eval_items: int | None) -> list[str]:
+    """The whole run, said before it starts: its steps, evaluations, the paper suite after it
+    and checkpoints, on CUDA in hours; its disk; the web-search calls it may make. The hours
+    are rough: the decode and the update at the rates above (each measured at one shape),
+    every row at full length; the tools', the judge's and the prefills' time, the KV reads of
+    more or longer rows than measured, loading the model and writing checkpoints not counted."""
+    from tools import TOOL_CLASSES, TOOLSET_SETTINGS, load_tool_modules
+    from web_tools import NetworkTool
+
+    t, a, e, d = cfg["train"], cfg["agent"], cfg["eval"], cfg["data"]
+    suite = [len(json.loads(p.read_text())) for p in sorted(BENCHMARKS.glob("*.json"))]
+    rows, sub_batches = plan.rollout_rows, plan.rollout_sub_batches  # this device's share of a step
+    rollout = sub_batches * decode_steps(a, a["max_turns"])
+    seq = cfg["model"]["max_prompt_tokens"] + a["planner"]["max_new_tokens"]  # an update row: one planner turn
+    what = (f"whole run: {t['steps']} steps, the evaluations above, the paper suite after it (eval.py --suite paper: "
+            f"{len(suite)} of {PAPER_BENCHMARKS} benchmarks in data/benchmarks/, {sum(suite):,} items, the planner "
+            f"frozen and trained), {-(-t['steps'] // t['save_every'])} checkpoints and the export")
+    out = [what + "; hours estimated on CUDA only"]
+    if plan.device == "cuda":
+        weight_gb = plan.export_bytes / GB  # what both rates scale with
+        update_s = rows * a["max_turns"] * seq * CUDA_UPDATE_S_PER_TOKEN_WEIGHT_GB * weight_gb  # as long on both
+        suite_steps = 2 * sum(evaluation_steps(cfg, plan, n, ranks) for n in suite)
+        decode_s = lambda slower: CUDA_DECODE_S_PER_WEIGHT_GB * weight_gb * slower
+        hours = lambda slower: (t["steps"] * (rollout * decode_s(slower) + update_s)
+                                + ((eval_steps or 0) + suite_steps) * decode_s(slower)) / 3600
+        out = [what + f": about {hours(1):.1f} h on an H200, {hours(H100_DECODE_SLOWER):.1f} h on an H100"
+               + (", the evaluations not counted (data.heldout not here)" if eval_steps is None else ""),
+               f"  a step at most {rollout:,} decode steps ({rows} rollouts in {sub_batches} sub-batch(es) at up to "
+               f"{a['max_turns']} turns) + an update of {rows * a['max_turns']} rows x {seq:,} tokens: "
+               f"{(rollout * decode_s(1) + update_s) / 60:.1f} min on an H200; the evaluations "
+               f"{(eval_steps or 0) * decode_s(1) / 3600:.1f} h, the suite {suite_steps * decode_s(1) / 3600:.1f} h; "
+               f"tools', the judge's and prefill time, loading the model, writing checkpoints not counted"]
+    files = d["train"] + [d["heldout"]] + ([d["paraphrase"]] if d["paraphrase"] else [])
+    data = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+    missing = [f for f in files if not Path(f).is_file()]
+    out.append(f"  disk in all: {(plan.weight_bytes + data + plan.disk_bytes) / GB:.2f} GB: the model "
+               f"{plan.weight_bytes / GB:.2f} GB, data {data / 1e6:.1f} MB"
+               + (f" (not here: {', '.join(missing)})" if missing else "")
+               + f", checkpoints and the export {plan.disk_bytes / GB:.2f} GB (out_dir, as above)")
+    load_tool_modules(cfg["tools"].get("modules", TOOLSET_SETTINGS["modules"]))
+    web = [n for n in a["tools"] if issubclass(TOOL_CLASSES.get(n, object), NetworkTool)]
+    if not web:
+        return out + [f"  no web-search calls (offline tools: {', '.join(a['tools'])})"]
+    # at most one call a turn of every trajectory: training's, the evaluations', the suite's
+    calls = [t["steps"] * t["queries_per_step"] * t["group_size"] * a["max_turns"],
+             (eval_items or 0) * e["max_turns"], 2 * sum(suite) * e["max_turns"]]
+    return out + [f"  web-search calls at most {sum(calls):,} ({', '.join(web)}: one a turn): {calls[0]:,} in "
+                  f"training, {calls[1]:,} in the evaluations"
+                  + (" (data.heldout not here)" if eval_items is None else "") + f", {calls[2]:,} in the suite"]
 
 
 # train.micro_batch: auto stops here: past a few thousand tokens per forward a GPU is busy

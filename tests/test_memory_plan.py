@@ -269,3 +269,37 @@ def test_the_plan_states_what_the_evaluations_cost():
     off = plan_for(load_config(str(SEVEN_B), ["model.memory_gb=80", "train.eval_before_after=false",
                                               "train.eval_every=0"]))
     assert off.evaluation == ["evaluation: none (train.eval_before_after false, train.eval_every 0)"]
+
+
+def test_the_plan_states_the_whole_run(tmp_path, monkeypatch, tiny_model_dir):
+    """The 7B config's whole run: 60 steps of 256 rollouts at up to 3 turns, the 7 evaluations
+    and the paper suite (two benchmark files here, of 3 and 70 items: 1 and 2 batches of 64)
+    twice, 6 checkpoints; on CUDA its hours at the decode and update rates; the model, data and
+    checkpoints on disk; a web-search call every turn at most. The offline default: no hours,
+    no web-search calls."""
+    for name, n in (("a", 3), ("b", 70)):
+        (tmp_path / f"{name}.json").write_text(json.dumps([{}] * n))
+    monkeypatch.setattr(device_memory, "BENCHMARKS", tmp_path)
+    (tmp_path / "train.jsonl").write_text("x" * 10**6)
+    data = [f"data.train=[{tmp_path / 'train.jsonl'}]", f"data.heldout={tmp_path / 'absent.jsonl'}"]
+    p = plan_for(load_config(str(SEVEN_B), ["model.memory_gb=80", *data]))
+    first, step, disk, web = p.whole_run
+    assert "60 steps" in first and "2 of 10 benchmarks" in first and "73 items" in first and "6 checkpoints" in first
+    row = 10 * (256 + 512 + 1) + 512  # an evaluation row's decode steps at most, 10 turns
+    rollout = -(-256 // p.rows_per_sub_batch) * (3 * (256 + 512 + 1) + 512)
+    weight_gb = p.export_bytes / GB
+    decode_s = device_memory.CUDA_DECODE_S_PER_WEIGHT_GB * weight_gb
+    update_s = 256 * 3 * (2048 + 256) * device_memory.CUDA_UPDATE_S_PER_TOKEN_WEIGHT_GB * weight_gb
+    decodes = 7 * 4 * row + 2 * (1 + 2) * row  # the evaluations, 4 batches of 200 items; the suite, twice
+    for card, slower in (("H200", 1), ("H100", 1.4)):
+        hours = (60 * (rollout * decode_s * slower + update_s) + decodes * decode_s * slower) / 3600
+        assert f"{hours:.1f} h on an {card}" in first
+    assert f"a step at most {rollout:,} decode steps" in step and "768 rows x 2,304 tokens" in step
+    assert disk.startswith(f"  disk in all: {(p.weight_bytes + 1e6 + p.disk_bytes) / GB:.2f} GB") and "1.0 MB" in disk
+    assert f"not here: {tmp_path / 'absent.jsonl'}" in disk
+    calls = 60 * 32 * 8 * 3 + 7 * 200 * 10 + 2 * 73 * 10  # training, the evaluations, the suite: 10 turns each
+    assert f"at most {calls:,} (Wikipedia_Search, Google_Search, Web_Search" in web
+    cpu = plan_for(load_config(str(ROOT / "config.yaml"), [f"model.name={tiny_model_dir}", "model.device=cpu"]))
+    assert cpu.whole_run[0].endswith("hours estimated on CUDA only") and len(cpu.whole_run) == 3
+    assert cpu.whole_run[-1] == "  no web-search calls (offline tools: Base_Generator, Python_Coder, Local_Search)"
+    assert cpu.text().endswith(cpu.whole_run[-1])  # --plan ends with the whole run
