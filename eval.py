@@ -64,7 +64,7 @@ from memory import PLANNER_VIEWS
 from support import ranks
 from support.config import ConfigError, load_config, preflight
 from support.checkpoints import disk_problem
-from support.datasets import Item, load_benchmark, read_jsonl
+from support.datasets import BENCHMARKS, PAPER_TABLE_1, Item, load_benchmark, paper_benchmarks, read_jsonl
 from support.device_memory import CaptureError, plan_for, use_expandable_segments
 from support.models import check_model, check_models, load_model, planner_name
 from support.provenance import weights_fingerprint
@@ -255,13 +255,7 @@ def print_sweep(sweep: dict) -> None:
                   "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
 
 
-# The paper's Table 1 (docs/PAPER.md): accuracy in %, AgentFlow with Qwen2.5-7B-Instruct as
-# every module, (untrained planner, Flow-GRPO planner), by benchmark file in data/benchmarks/.
-PAPER_TABLE_1 = {"bamboogle": (58.4, 69.6), "2wiki": (60.0, 77.2), "hotpotqa": (51.3, 57.0),
-                 "musique": (19.2, 25.3), "gaia": (17.2, 33.1), "aime24": (16.7, 40.0), "amc23": (47.4, 61.5),
-                 "gameof24": (31.0, 53.0), "gpqa": (37.0, 47.0), "medqa": (76.0, 80.0)}
 SEARCH_BENCHMARKS = ("bamboogle", "2wiki", "hotpotqa", "musique", "gaia")  # answered by looking facts up
-BENCHMARKS = Path(__file__).resolve().parent / "data" / "benchmarks"
 
 
 def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
@@ -270,7 +264,7 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
     (resumable like any evaluation); then out/table.json and out/table.md with the paper's
     figures beside ours."""
     e = cfg["eval"]
-    present = [b for b in PAPER_TABLE_1 if (BENCHMARKS / f"{b}.json").is_file()]
+    present = paper_benchmarks()
     absent = [b for b in PAPER_TABLE_1 if b not in present]
     if absent and world.main:
         print(f"not in {BENCHMARKS}: {', '.join(absent)} (gated on the hub: `python -m scripts.prepare_data "
@@ -280,7 +274,7 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
     for label, planner in planners(cfg, agent, args.model).items():
         tag = label.split(" ")[0]  # frozen, trained
         for b in present:
-            items = load_benchmark(str(BENCHMARKS / f"{b}.json"), limit=args.limit or None)
+            items = load_benchmark(str(present[b]), limit=args.limit or None)
             s = evaluate(planner, items, out / tag / b, batch_size=args.batch_size or e["batch_size"],
                          max_turns=args.max_turns or e["max_turns"], seed=e["seed"], desc=f"{tag}, {b}",
                          planner_temperature=e["planner_temperature"], judge=judge, world=world)

@@ -108,6 +108,7 @@ class Tool:
     # The reply depends on the command alone (searches; not code, which may draw random
     # numbers or read the clock), so a repeated command may be answered from the cache.
     cacheable = False
+    network = False  # it asks a service over the network (web_tools.NetworkTool): --plan counts its calls
     writes_code = False  # its input is a program: agent.code_start applies to it
     # Its settings (tools.* in the config) with their defaults, and the values a setting
     # may take where they are few; a subclass lists only its own.
@@ -401,6 +402,13 @@ def load_tool_modules(modules) -> None:
         except ImportError as e:
             raise ConfigError(f"tools.modules: cannot import {name!r} ({e}); name a module on the path "
                               f"that defines tools, or drop it") from None
+
+
+def network_tools(cfg: dict) -> list[str]:
+    """The tools of agent.tools that call a service over the network (the memory plan counts
+    their calls); a config error for a module of tools.modules that cannot be imported."""
+    load_tool_modules(cfg["tools"].get("modules", TOOLSET_SETTINGS["modules"]))
+    return [n for n in cfg["agent"]["tools"] if getattr(TOOL_CLASSES.get(n), "network", False)]
 
 
 def _own(cls: type, attr: str) -> dict:

@@ -68,7 +68,7 @@ from support.run_log import (append_metrics, engine_counters, print_learning_tab
                              write_trajectories)
 from support.sandbox import SandboxError
 from support.seeds import derive_seed, seed_everything
-from tools import build_tools
+from tools import build_tools, network_tools
 
 
 def main(argv: list[str]) -> int:
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv[0], argv[1:])
         if plan_only:  # the model's config.json is all it reads: no data, no tools, no weights
             try:
-                plan = plan_for(cfg, ranks=ranks.env_size())
+                plan = plan_for(cfg, ranks=ranks.env_size(), web_tools=network_tools(cfg))
             except OSError as e:  # no config.json there, or a hub id without network
                 print(f"error: cannot read the config.json of model.name={cfg['model']['name']}: {e}", file=sys.stderr)
                 return 2
@@ -127,7 +127,7 @@ def run(cfg: dict) -> dict:
         torch.set_num_threads(cfg["model"]["threads"])
 
     # The memory plan, from the model's config.json: a run that cannot fit stops here.
-    plan = plan_for(cfg, ranks=world.size)  # each rank holds all of it, for its share of the rollouts
+    plan = plan_for(cfg, ranks=world.size, web_tools=network_tools(cfg))  # each rank: all of it, its rollouts' share
     if world.main:
         print(plan.text(), flush=True)
     if not plan.fits:

@@ -29,6 +29,7 @@ class NetworkTool(Tool):
     """A tool that asks a service over the network: its replies depend on the command
     alone, so repeats are answered from the reply cache, and its requests are retried."""
     cacheable = True
+    network = True
     settings = {
         "web_timeout_s": 10.0,  # per request
         # Retries of a request on HTTP 429, 5xx, a timeout or a dropped connection. A request

@@ -46,6 +46,20 @@ OPTION_FIELDS = ("options", "choices")
 NUMBER_FIELDS = ("numbers", "nums", "puzzle", "question", "input")
 KIND_FIELDS = ("kind",)
 
+# The paper's Table 1 (docs/PAPER.md): accuracy in %, AgentFlow with Qwen2.5-7B-Instruct as
+# every module, (untrained planner, Flow-GRPO planner), by benchmark file in data/benchmarks/.
+PAPER_TABLE_1 = {"bamboogle": (58.4, 69.6), "2wiki": (60.0, 77.2), "hotpotqa": (51.3, 57.0),
+                 "musique": (19.2, 25.3), "gaia": (17.2, 33.1), "aime24": (16.7, 40.0), "amc23": (47.4, 61.5),
+                 "gameof24": (31.0, 53.0), "gpqa": (37.0, 47.0), "medqa": (76.0, 80.0)}
+BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+
+
+def paper_benchmarks() -> dict[str, Path]:
+    """The Table 1 benchmark files present in data/benchmarks/, by name, in the paper's order
+    (eight ship; scripts/prepare_data.py writes GAIA's and GPQA's)."""
+    return {b: BENCHMARKS / f"{b}.json" for b in PAPER_TABLE_1 if (BENCHMARKS / f"{b}.json").is_file()}
+
+
 # Output-format instructions appended to questions in the official files.
 _BOILERPLATE = re.compile(r"\s*When ready, output the final answer enclosed in <answer> and </answer> tags\..*$",
                           re.DOTALL)

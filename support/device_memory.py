@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from support.batching import layout, unique_prompts
+from support.datasets import PAPER_TABLE_1, paper_benchmarks
 
 def use_expandable_segments() -> None:
     """Fewer, larger blocks of GPU memory, which the allocator can reuse for tensors of
@@ -426,11 +427,12 @@ def architecture(name: str):
         return AutoConfig.from_pretrained(path)  # the hub: an OSError offline, which --plan reports
 
 
-def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
+def plan_for(cfg: dict, config=None, ranks: int = 1, web_tools: list[str] = ()) -> Plan:
     """The plan of a run's config; `config` (a transformers config) saves reading config.json.
     ranks: processes under torchrun, one device each. Each holds everything above for
     itself (weights, reference, optimizer state: they are replicated, not sharded); only
-    its rollout is smaller, its share of the step's groups (ranks.World.shard)."""
+    its rollout is smaller, its share of the step's groups (ranks.World.shard). web_tools: the
+    configured tools that call the web (tools.network_tools), whose calls the whole run counts."""
     from support.models import planner_name
 
     t, a, e, m = cfg["train"], cfg["agent"], cfg["eval"], cfg["model"]
@@ -462,7 +464,7 @@ def plan_for(cfg: dict, config=None, ranks: int = 1) -> Plan:
                 break
             best = bigger
     best.evaluation, eval_steps, eval_items = evaluation_cost(cfg, best, ranks)
-    best.whole_run = whole_run(cfg, best, ranks, eval_steps, eval_items)
+    best.whole_run = whole_run(cfg, best, ranks, eval_steps, eval_items, web_tools)
     return best
 
 
@@ -478,9 +480,6 @@ H100_DECODE_SLOWER = 1.4
 # shape (train_layers 8, micro_batch 2, rows of 1,619 tokens) at 0.116 and 0.156 s a row
 # (docs/gpu/gpu_check_h200_2026-12-04.txt, time_card_update_s_per_row; the slower one here).
 CUDA_UPDATE_S_PER_TOKEN_WEIGHT_GB = 0.156 / 1619 / 15.23
-# The paper's suite (Table 1): eval.py --suite paper evaluates every file here, the planner frozen and trained.
-BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
-PAPER_BENCHMARKS = 10
 
 
 def decode_steps(a: dict, turns: int) -> int:
@@ -526,22 +525,20 @@ def evaluation_cost(cfg: dict, plan: Plan, ranks: int = 1) -> tuple[list[str], i
     return out, times * steps, times * items
 
 
-def whole_run(cfg: dict, plan: Plan, ranks: int, eval_steps: int | None, eval_items: int | None) -> list[str]:
+def whole_run(cfg: dict, plan: Plan, ranks: int, eval_steps: int | None, eval_items: int | None,
+              web: list[str]) -> list[str]:
     """The whole run, said before it starts: its steps, evaluations, the paper suite after it
     and checkpoints, on CUDA in hours; its disk; the web-search calls it may make. The hours
     are rough: the decode and the update at the rates above (each measured at one shape),
     every row at full length; the tools', the judge's and the prefills' time, the KV reads of
     more or longer rows than measured, loading the model and writing checkpoints not counted."""
-    from tools import TOOL_CLASSES, TOOLSET_SETTINGS, load_tool_modules
-    from web_tools import NetworkTool
-
     t, a, e, d = cfg["train"], cfg["agent"], cfg["eval"], cfg["data"]
-    suite = [len(json.loads(p.read_text())) for p in sorted(BENCHMARKS.glob("*.json"))]
+    suite = [len(json.loads(p.read_text())) for p in paper_benchmarks().values()]  # eval.py --suite paper's
     rows, sub_batches = plan.rollout_rows, plan.rollout_sub_batches  # this device's share of a step
     rollout = sub_batches * decode_steps(a, a["max_turns"])
     seq = cfg["model"]["max_prompt_tokens"] + a["planner"]["max_new_tokens"]  # an update row: one planner turn
     what = (f"whole run: {t['steps']} steps, the evaluations above, the paper suite after it (eval.py --suite paper: "
-            f"{len(suite)} of {PAPER_BENCHMARKS} benchmarks in data/benchmarks/, {sum(suite):,} items, the planner "
+            f"{len(suite)} of {len(PAPER_TABLE_1)} benchmarks in data/benchmarks/, {sum(suite):,} items, the planner "
             f"frozen and trained), {-(-t['steps'] // t['save_every'])} checkpoints and the export")
     out = [what + "; hours estimated on CUDA only"]
     if plan.device == "cuda":
@@ -565,8 +562,6 @@ def whole_run(cfg: dict, plan: Plan, ranks: int, eval_steps: int | None, eval_it
                f"{plan.weight_bytes / GB:.2f} GB, data {data / 1e6:.1f} MB"
                + (f" (not here: {', '.join(missing)})" if missing else "")
                + f", checkpoints and the export {plan.disk_bytes / GB:.2f} GB (out_dir, as above)")
-    load_tool_modules(cfg["tools"].get("modules", TOOLSET_SETTINGS["modules"]))
-    web = [n for n in a["tools"] if issubclass(TOOL_CLASSES.get(n, object), NetworkTool)]
     if not web:
         return out + [f"  no web-search calls (offline tools: {', '.join(a['tools'])})"]
     # at most one call a turn of every trajectory: training's, the evaluations', the suite's

@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import train
+from tools import network_tools
 from support.config import ConfigError, load_config
-from support import device_memory
+from support import datasets, device_memory
 from support.device_memory import GB, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,12 +278,13 @@ def test_the_plan_states_the_whole_run(tmp_path, monkeypatch, tiny_model_dir):
     twice, 6 checkpoints; on CUDA its hours at the decode and update rates; the model, data and
     checkpoints on disk; a web-search call every turn at most. The offline default: no hours,
     no web-search calls."""
-    for name, n in (("a", 3), ("b", 70)):
+    for name, n in (("aime24", 3), ("amc23", 70), ("not_in_table_1", 5)):
         (tmp_path / f"{name}.json").write_text(json.dumps([{}] * n))
-    monkeypatch.setattr(device_memory, "BENCHMARKS", tmp_path)
+    monkeypatch.setattr(datasets, "BENCHMARKS", tmp_path)
     (tmp_path / "train.jsonl").write_text("x" * 10**6)
     data = [f"data.train=[{tmp_path / 'train.jsonl'}]", f"data.heldout={tmp_path / 'absent.jsonl'}"]
-    p = plan_for(load_config(str(SEVEN_B), ["model.memory_gb=80", *data]))
+    cfg = load_config(str(SEVEN_B), ["model.memory_gb=80", *data])
+    p = plan_for(cfg, web_tools=network_tools(cfg))
     first, step, disk, web = p.whole_run
     assert "60 steps" in first and "2 of 10 benchmarks" in first and "73 items" in first and "6 checkpoints" in first
     row = 10 * (256 + 512 + 1) + 512  # an evaluation row's decode steps at most, 10 turns

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from support import device_memory
+from support import datasets, device_memory
 from support.config import load_config
+from tools import network_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALING, SEVEN_B = "docs/SCALING.md", "configs/qwen2.5-7b-1gpu.yaml"
@@ -75,17 +76,17 @@ def plans(tmp_path_factory):
     """--plan's text for each override set, with data/benchmarks/ as the repository ships it
     (GAIA and GPQA, which scripts.prepare_data adds, left out: the docs count without them)."""
     shipped = tmp_path_factory.mktemp("benchmarks")
-    for p in device_memory.BENCHMARKS.glob("*.json"):
+    for p in datasets.BENCHMARKS.glob("*.json"):
         if p.name not in ("gaia.json", "gpqa.json"):
             shutil.copy(p, shipped)
     mp = pytest.MonkeyPatch()
-    mp.setattr(device_memory, "BENCHMARKS", shipped)
+    mp.setattr(datasets, "BENCHMARKS", shipped)
     cache = {}
 
     def text(overrides: str) -> str:
         if overrides not in cache:
             cfg = load_config(str(ROOT / SEVEN_B), ["model.memory_gb=80"] + overrides.split())
-            cache[overrides] = device_memory.plan_for(cfg).text()
+            cache[overrides] = device_memory.plan_for(cfg, web_tools=network_tools(cfg)).text()
         return cache[overrides]
 
     yield text
