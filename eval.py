@@ -28,14 +28,8 @@ evaluation loses nothing; a folder made by another planner or setup is refused, 
 the difference, so no evaluation passes another's rows off as its own. DIR defaults to
 OUT_DIR/eval/<benchmark>, with the --model path appended for a trained planner.
 
-`--suite paper` is the paper's Table 1: every benchmark file in data/benchmarks/ (the ten
-of the paper where present; GAIA and GPQA come from scripts/prepare_data.py), for the
-configured (frozen) planner and, with --model, the trained one, into
-DIR/<frozen|trained>/<benchmark>/; then DIR/table.json and DIR/table.md: per benchmark
-the items, each planner's accuracy with its 95% interval, the gain, tool calls per item,
-items with an infrastructure failure, wall time, and the paper's figures beside ours,
-with what makes the two comparable or not. DIR defaults to OUT_DIR/eval/paper, where the
-run's report.html shows the table.
+`--suite paper` is the paper's Table 1, frozen vs trained planner beside the paper's figures
+(paper_suite); DIR defaults to OUT_DIR/eval/paper, where the run's report.html shows it.
 
 Under torchrun (support/ranks.py) the batches are dealt to the ranks in turn, each batch
 exactly the one a single process would run, with the same seed; rank 0 gathers every
@@ -62,7 +56,7 @@ from flow_grpo import ADVANTAGE_ESTIMATORS
 from judge import TURN_SCORES, Judge, Reward
 from memory import PLANNER_VIEWS
 from support import ranks
-from support.config import ConfigError, load_config, preflight
+from support.config import ConfigError, dotted, load_config, preflight
 from support.checkpoints import disk_problem
 from support.datasets import BENCHMARKS, PAPER_TABLE_1, Item, load_benchmark, paper_benchmarks, read_jsonl
 from support.device_memory import CaptureError, plan_for, use_expandable_segments
@@ -131,22 +125,13 @@ def made_by(agent, judge: Judge, **settings) -> dict:
     modules' weights, the agent's settings (the planner's as it samples here; texts over 80
     characters, the prompts, by their hash), the tools and their settings, the judge, and
     `settings` (evaluate's turn budget, seed, batch size: a batch's seed and rows)."""
-    flat = {}
-
-    def add(key, value):
-        if isinstance(value, dict):
-            for k, v in value.items():
-                add(f"{key}.{k}", v)
-        else:
-            text = json.dumps(value)
-            flat[key] = json.loads(text) if len(text) <= 80 else "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    add("agent", {**asdict(agent.cfg), "planner": asdict(agent.planner_params)})
-    add("tools", {t.name: {k: t.cfg[k] for k in t.settings} for t in agent.tools.values()})
+    setup = json.loads(json.dumps({"agent": {**asdict(agent.cfg), "planner": asdict(agent.planner_params)},
+                                   "tools": {t.name: {k: t.cfg[k] for k in t.settings} for t in agent.tools.values()}}))
+    short = lambda v: v if len(json.dumps(v)) <= 80 else "sha256:" + hashlib.sha256(json.dumps(v).encode()).hexdigest()[:16]  # noqa: E731
     return {"planner_weights": weights_fingerprint(agent.planner.model),
             "modules_weights": weights_fingerprint(agent.frozen.model),
             "judge": made_by_judge(judge),
-            **settings, **flat}
+            **settings, **{k: short(v) for k, v in dotted(setup).items()}}
 
 
 def claim(out: Path, record: dict, items: list[Item]) -> str | None:
@@ -259,10 +244,12 @@ SEARCH_BENCHMARKS = ("bamboogle", "2wiki", "hotpotqa", "musique", "gaia")  # ans
 
 
 def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
-    """`--suite paper`: every Table 1 benchmark present in data/benchmarks/, for the frozen
-    planner and, with --model, the trained one, each into out/<planner>/<benchmark>/
-    (resumable like any evaluation); then out/table.json and out/table.md with the paper's
-    figures beside ours."""
+    """`--suite paper`: every Table 1 benchmark present in data/benchmarks/ (GAIA and GPQA come
+    from scripts/prepare_data.py), for the frozen planner and, with --model, the trained one,
+    each into out/<frozen|trained>/<benchmark>/ (resumable like any evaluation); then
+    out/table.json and out/table.md: per benchmark the items, each planner's accuracy with its
+    95% interval, the gain, tool calls per item, items with an infrastructure failure, wall
+    time, the paper's figures beside ours, and what makes the two comparable or not."""
     e = cfg["eval"]
     present = paper_benchmarks()
     absent = [b for b in PAPER_TABLE_1 if b not in present]

@@ -386,26 +386,18 @@ def section_items(run: dict, br: list | None, ar: list | None) -> str:
 
 
 def paper_table_html(run: dict) -> str:
-    """eval/paper/table.json: per benchmark the items, each planner's accuracy with its 95%
-    interval, and the paper's two figures; the table's notes under it."""
-    table = run["paper_table"]
-    if not table:
+    """eval/paper/table.md (eval.py writes it: the home of its layout) as an HTML table, its
+    notes under it."""
+    text = run["paper_table"]
+    if not text:
         return ""
-
-    def acc(p):
-        return (f"<td>{esc(pct(p.get('accuracy')))} [{esc(pct(p['ci95'][0]))}, {esc(pct(p['ci95'][1]))}]</td>"
-                if isinstance(p, dict) and isinstance(p.get("ci95"), list) else "<td>—</td>")
-
-    body = "".join(f"<tr><th>{esc(b)}</th><td>{esc(r.get('n'))}</td>{acc(r['planners'].get('frozen'))}"
-                   f"{acc(r['planners'].get('trained'))}<td>{esc(r['paper'].get('untrained'))}%</td>"
-                   f"<td>{esc(r['paper'].get('trained'))}%</td></tr>"
-                   for b, r in table["benchmarks"].items() if isinstance(r, dict) and "planners" in r)
-    return ("<h3>The paper's Table 1 beside ours (eval.py --suite paper)</h3><table class=\"grid\"><thead><tr><th></th>"
-            "<th>n</th><th>frozen [95%]</th><th>trained [95%]</th><th>paper, untrained</th><th>paper, trained</th>"
-            f"</tr></thead><tbody>{body}</tbody></table>"
-            + "".join(note(str(n), "note small") for n in table.get("notes") or [])
-            + (note(f"Absent from data/benchmarks/: {', '.join(map(str, table['absent']))}.", "note small")
-               if table.get("absent") else ""))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    cells = lambda row, tag: "".join(f"<{tag}>{esc(c)}</{tag}>" for c in row)  # noqa: E731
+    body = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in rows[1:])
+    return ("<h3>The paper's Table 1 beside ours (eval.py --suite paper)</h3><table class=\"grid\"><thead><tr>"
+            f"{cells(rows[0], 'th')}</tr></thead><tbody>{body}</tbody></table>"
+            + "".join(note(p, "note small") for p in text.split("\n\n") if not p.startswith("|")))
 
 
 # The test-time turn-budget sweep, when the run has one.

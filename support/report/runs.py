@@ -83,7 +83,7 @@ def load_run(out: Path) -> dict:
     run_json = read_json(out / "run.json")
     processes = run_json.get("processes") if isinstance(run_json, dict) else None
     sweep = read_json(out / "turn_sweep.json")
-    table = read_json(out / "eval" / "paper" / "table.json")  # eval.py --suite paper's, with its default --out
+    table = out / "eval" / "paper" / "table.md"  # eval.py --suite paper's, with its default --out
     run = {"dir": out, "config": config if isinstance(config, dict) else None,
            "metrics": [metrics[k] for k in sorted(metrics)], "evals": evals, "other_evals": other_evals,
            "paraphrase_evals": paraphrase_evals,
@@ -91,7 +91,7 @@ def load_run(out: Path) -> dict:
            "traj_files": dict(sorted(traj_files.items())),
            "processes": [p for p in processes if isinstance(p, dict)] if isinstance(processes, list) else [],
            "turn_sweep": sweep if isinstance(sweep, dict) and isinstance(sweep.get("planners"), dict) else None,
-           "paper_table": table if isinstance(table, dict) and isinstance(table.get("benchmarks"), dict) else None}
+           "paper_table": table.read_text() if table.is_file() else None}
     run["train_stats"] = training_stats(run)
     return run
 
