@@ -68,7 +68,7 @@ from support.report.page import write_report
 from support.report.stats import wilson
 from support.seeds import derive_seed
 from support.text import plan_of
-from tools import build_tools, check_toolset
+from tools import build_tools, check_toolset, network_tools
 
 
 def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int = 32, max_turns: int = 3,
@@ -281,7 +281,7 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
              f"planner {args.model or planner_name(cfg['model'])}, other modules {cfg['model']['name']}, judge: "
              f"{made_by_judge(judge)}, tools {', '.join(tools)}, a turn budget of {turns}, "
              f"{f'the first {args.limit} items of each file' if args.limit else 'every item'}."]
-    if not set(tools) & {"Google_Search", "Wikipedia_Search", "Web_Search"}:
+    if not network_tools(cfg):
         notes.append(f"No web search in agent.tools: the facts {', '.join(b for b in SEARCH_BENCHMARKS if b in present)}"
                      " ask about are not in the local corpus, so their scores here say what the model knows unaided.")
     notes.append("infra: items where a tool (or the judge) failed after its retries for reasons the model did not "
