@@ -113,8 +113,13 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
         ok = bool(words(ext)) and any(words(ext) == words(g) for g in golds)
         return result(ok, 0.0)
 
-    # text: the extracted answer, and also the whole response (a bare one-line
-    # answer that happens to contain "Answer:" somewhere is still itself)
+    # text: token F1 is reported beside the verdict, as partial credit, never as the reward
+    return result(same_text(ext, raw, golds), max(token_f1(ext, g) for g in golds))
+
+
+def same_text(ext: str, raw: str, golds: list[str]) -> bool:
+    """The text rule: whether the extracted answer, or the whole response (a bare one-line
+    answer that happens to contain "Answer:" somewhere is still itself), matches a gold alias."""
     cands = [normalize_text(ext), normalize_text(raw)]
     pred_num = parse_number(ext, allow_units=False)
     ok = False
@@ -128,13 +133,12 @@ def score(prediction: str, gold, kind: str, options: list[str] | None = None) ->
             ok = True  # "22.0" vs "22": a number inside a text dataset
         elif date_key(g) is not None and date_key(g) == date_key(ext):
             ok = True  # "5 January 1964" vs "January 5, 1964"
-    f1 = max(token_f1(ext, g) for g in golds)
-    return result(ok, f1)
+    return ok
 
 
 def score_item(answer: str, gold: list[str], kind: str, options: list[str] | None = None,
                numbers: list[int] | None = None) -> dict:
-    """R(o, q, y*) for one benchmark item (benchmarks.Item's fields): the reward of a
+    """R(o, q, y*) for one benchmark item (support.datasets.Item's fields): the reward of a
     trajectory and the verdict of an evaluation. A Game-of-24 item is scored against
     its puzzle numbers, so any valid expression counts, not only the reference one."""
     return score(answer, numbers if kind == "game24" and numbers else gold, kind, options)
@@ -250,10 +254,9 @@ class LLMJudge:
     the API key, so keys never sit in configs; an empty name sends no key, for a
     local server), or a local callable generate(prompts: list[str]) -> list[str],
     e.g. the project's own engine (engine_generate).
-    Every failure is "no verdict": judge() and judge_batch() return False for it and
-    record why in self.last_reason (and the log); verdicts() returns None with the
-    reason, and whether the infrastructure failed (the request, the endpoint, the engine)
-    rather than the judge's reply. A judge that cannot answer must not turn into a reward
+    Every failure is "no verdict": verdicts() returns None for it with the reason (also in
+    self.last_reason and the log), and whether the infrastructure failed (the request, the
+    endpoint, the engine) rather than the judge's reply. A judge that cannot answer must not turn into a reward
     of 1, nor a crash; one whose infrastructure failed must not turn into a reward at all.
     """
 
@@ -335,26 +338,6 @@ class LLMJudge:
                 log.warning("LLM judge gave no verdict (counted as wrong): %s", reason)
         return out
 
-    def judge(self, question: str, prediction: str, gold) -> bool:
-        return self.judge_batch([(question, prediction, gold)])[0]
-
-    def judge_batch(self, items: list[tuple]) -> list[bool]:
-        """True / False per (question, prediction, gold); no verdict is False."""
-        return [bool(v) for v, _, _ in self.verdicts(items)]
-
-    def score(self, question: str, prediction: str, gold, kind: str,
-              options: list[str] | None = None) -> dict:
-        """Rules first, then this LLM (see Judge); adds "judge" and "judge_error"."""
-        return Judge(self).score_batch([prediction], [_Row(question, gold, kind, options)])[0]
-
-
-class _Row:
-    """The fields of a benchmarks.Item that the judge reads (no import of benchmarks:
-    benchmarks imports judge)."""
-
-    def __init__(self, question, gold, kind, options=None, numbers=None):
-        self.question, self.gold, self.kind, self.options, self.numbers = question, gold, kind, options, numbers
-
 
 class Judge:
     """R(o, q, y*) as the config's judge section says: the rules, and with judge.llm an
@@ -388,7 +371,7 @@ class Judge:
 
     def score_batch(self, answers: list[str], items: list) -> list[dict]:
         """Verdicts for answers[k] on items[k] (anything with question, gold, kind, options,
-        numbers: a benchmarks.Item). The LLM sees all that the rules rejected at once."""
+        numbers: a support.datasets.Item). The LLM sees all that the rules rejected at once."""
         out = []
         for answer, it in zip(answers, items):
             v = dict(score_item(answer, it.gold, it.kind, it.options, it.numbers))

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from conftest import BENCHMARKS  # noqa: E402
+from support.datasets import Item  # noqa: E402
 from support.run_log import judge_counts  # noqa: E402
 from judge import (KINDS, Judge, LLMJudge, check_game24, date_key, engine_generate, extract_answer,  # noqa: E402
                    gold_aliases, normalize_text, parse_number, score, score_item, token_f1)
@@ -375,31 +376,46 @@ def server():
     httpd.server_close()
 
 
+def said(j: LLMJudge, items: list[tuple]) -> list[bool]:
+    """The LLM's verdict on each (question, prediction, gold) as a reward reads it: no verdict
+    is False."""
+    return [bool(v) for v, _, _ in j.verdicts(items)]
+
+
+def says(j: LLMJudge, question, prediction, gold) -> bool:
+    return said(j, [(question, prediction, gold)])[0]
+
+
+def rules_then(j: LLMJudge, question, prediction, gold, kind) -> dict:
+    """The verdict of a Judge with `j` as its LLM on one answer: the rules first, then `j`."""
+    return Judge(j).score_batch([prediction], [Item(id="0", question=question, gold=gold, kind=kind)])[0]
+
+
 def test_llm_judge_http_yes_and_no(server, monkeypatch):
     monkeypatch.setenv("TEST_JUDGE_KEY", "sk-test")
     _Handler.seen.clear()
     yes = LLMJudge(base_url=server, model="yes", api_key_env="TEST_JUDGE_KEY")
-    assert yes.judge("Who founded Citibank's country?", "<answer>JFK</answer>", ["John F. Kennedy"]) is True
+    assert says(yes, "Who founded Citibank's country?", "<answer>JFK</answer>", ["John F. Kennedy"]) is True
     path, headers, body = _Handler.seen[-1]
     assert path == "/v1/chat/completions"
     assert headers["Authorization"] == "Bearer sk-test"
     prompt = body["messages"][0]["content"]
     assert "JFK" in prompt and "John F. Kennedy" in prompt and "<answer>" not in prompt
-    assert LLMJudge(base_url=server, model="no").judge("q", "a", "b") is False
+    assert says(LLMJudge(base_url=server, model="no"), "q", "a", "b") is False
 
 
 @pytest.mark.parametrize("mode", ["http500", "garbage", "both", "notjson", "nochoices"])
 def test_llm_judge_http_failures_are_false(server, mode):
     j = LLMJudge(base_url=server, model=mode)
-    assert j.judge("q", "a", "b") is False
+    assert says(j, "q", "a", "b") is False
     assert j.last_reason
 
 
 def test_llm_judge_timeout_and_refused_connection(server):
     j = LLMJudge(base_url=server, model="slow", timeout=0.2)
-    assert j.judge("q", "a", "b") is False and "request failed" in j.last_reason
+    assert says(j, "q", "a", "b") is False and "request failed" in j.last_reason
     j = LLMJudge(base_url="http://127.0.0.1:1/v1", model="m", timeout=1)
-    assert j.judge("q", "a", "b") is False and "request failed" in j.last_reason
+    assert says(j, "q", "a", "b") is False and "request failed" in j.last_reason
 
 
 def test_llm_judge_local_callable():
@@ -410,16 +426,16 @@ def test_llm_judge_local_callable():
         return ["Yes" if "Paris" in p.split("Response:")[1] else "No." for p in prompts]
 
     j = LLMJudge(generate=generate)
-    got = j.judge_batch([("Capital of France?", "<answer>Paris</answer>", "paris"),
-                         ("Capital of France?", "<answer>Lyon</answer>", "paris")])
+    got = said(j, [("Capital of France?", "<answer>Paris</answer>", "paris"),
+                   ("Capital of France?", "<answer>Lyon</answer>", "paris")])
     assert got == [True, False] and len(calls) == 1  # one batched call
-    assert LLMJudge(generate=lambda ps: ["perhaps"] * len(ps)).judge("q", "a", "b") is False
-    assert LLMJudge(generate=lambda ps: []).judge("q", "a", "b") is False
+    assert says(LLMJudge(generate=lambda ps: ["perhaps"] * len(ps)), "q", "a", "b") is False
+    assert says(LLMJudge(generate=lambda ps: []), "q", "a", "b") is False
 
     def broken(prompts):
         raise RuntimeError("CUDA out of memory")
     j = LLMJudge(generate=broken)
-    assert j.judge("q", "a", "b") is False and "CUDA out of memory" in j.last_reason
+    assert says(j, "q", "a", "b") is False and "CUDA out of memory" in j.last_reason
     with pytest.raises(ValueError):
         LLMJudge()
 
@@ -432,12 +448,12 @@ def test_llm_judge_score_consults_llm_only_when_rules_fail():
         return ["yes"] * len(prompts)
 
     j = LLMJudge(generate=generate)
-    assert j.score("q", "<answer>Paris</answer>", "paris", "text")["judge"] == "rule"
+    assert rules_then(j, "q", "<answer>Paris</answer>", "paris", "text")["judge"] == "rule"
     assert not asked
-    res = j.score("q", "<answer>JFK</answer>", "John F. Kennedy", "text")
+    res = rules_then(j, "q", "<answer>JFK</answer>", "John F. Kennedy", "text")
     assert res["correct"] and res["judge"] == "llm" and len(asked) == 1
     # game24 is checked exactly; an agreeable LLM cannot rescue a wrong expression
-    assert not j.score("q", "<answer>8*3</answer>", [3, 3, 8, 8], "game24")["correct"]
+    assert not rules_then(j, "q", "<answer>8*3</answer>", [3, 3, 8, 8], "game24")["correct"]
 
 
 # --- the configured judge: rules, then the LLM for what they reject ------------------------
