@@ -24,15 +24,18 @@ What this file adds to that picture, and why:
   * Explicit sampling parameters, the same on both sides of the loss (the official code
     silently samples at 0.7 with a frequency penalty while training on raw log-probs).
 
-Simplifications: the planner's action is two short lines ("Tool: ...", "Sub-goal: ...").
+Simplifications: the planner's action is short: its reply begins after a forced "Tool:",
+names one tool, and may add one line "Sub-goal: ..." (PLANNER_SYSTEM asks for both lines;
+parse_plan reads them, and without a sub-goal the executor reads the question instead).
 
 What a 135M model needs (the offline default), gathered here; a larger model runs the
 same code, and each choice is a config key or a prompt a fork can change:
   1. the tool choice is constrained: the action's first token is drawn among the first
      tokens of the tool names (agent.constrain_tool), at its own temperature
      (agent.planner.first_temperature); AgentSystem.__init__;
-  2. the action is the tool line alone (config.yaml: a 135M planner's sub-goal drifts
-     into noise under training, and the frozen executor copies it);
+  2. the action is the tool line alone: config.yaml's planner stops at the first newline
+     (agent.planner.stop), before any sub-goal (a 135M planner's sub-goal drifts into
+     noise under training, and the frozen executor copies it);
   3. code input starts with "print(" (agent.code_start): otherwise it writes a def and
      never calls it; AgentSystem._execute;
   4. the verifier's verdict is one forced choice between two words, and after a tool
@@ -137,8 +140,8 @@ class AgentSystem:
             # Planner: a^t ~ pi_theta(. | q, K, M^t), one batched call over live trajectories.
             users = [self.planner_user(tr.query, tr.memory, turn, T_max) for tr in live]
             prompts = [self.planner.chat_ids(self.planner_system, u, "Tool:") for u in users]
-            params = (self.forced_params[min(turn, len(self.forced_params)) - 1] if self.forced_params
-                      else self.planner_params)
+            params = (self.planner_params if not self.forced_params  # forced: eval.py --force-tool
+                      else self.forced_params[min(turn, len(self.forced_params)) - 1])
             samples = self.planner.sample(prompts, params, seed=derive_seed("turn", seed, turn, 0))
             plans = []
             for tr, u, p, smp in zip(live, users, prompts, samples):
@@ -194,25 +197,31 @@ class AgentSystem:
                                                    max_turns=max_turns)
 
     def _verify(self, live, seed) -> list[bool]:
-        """v^t for each live trajectory: True = stop. After a tool with a Check the frozen model
-        answers that tool's question about the question and the tool's output e^t; otherwise
-        the general question about the whole memory. One batched call per kind of question."""
+        """v^t for each live trajectory: True = stop. The frozen model answers the paper's
+        question, whether the whole memory answers the query (V(q, e^t, M^t)), with STOP or
+        CONTINUE; after a tool with a Check (a 135M model's narrower question), that tool's
+        question about the query and the tool's output e^t instead. One batched call per kind
+        of question."""
         stops = [False] * len(live)
         rows_of: dict[str, list[int]] = {}  # the Check's tool, or "" for the general question
         for i, tr in enumerate(live):
             tool = tr.memory.records[-1].tool
             rows_of.setdefault(tool if tool in self.check_system else "", []).append(i)
         for tool, rows in rows_of.items():
-            if tool:
+            if not tool:  # the general question
+                prompts = [self.frozen.chat_ids(
+                    self.prompts["verifier_system"],
+                    self.prompts["verifier_user"].format(query=live[i].query, memory=live[i].memory.render()),
+                    "Conclusion:") for i in rows]
+                stop_token, params = self.stop_token, self.verifier_params
+            else:  # the Check of the tool that ran last
                 check, last = self.tools[tool].check, [live[i].memory.records[-1] for i in rows]
-                prompts = [self.frozen.chat_ids(self.check_system[tool], self.prompts["check_user"].format(
-                    result=r.result or r.error, query=live[i].query), check.label) for i, r in zip(rows, last)]
+                prompts = [self.frozen.chat_ids(
+                    self.check_system[tool],
+                    self.prompts["check_user"].format(result=r.result or r.error, query=live[i].query),
+                    check.label) for i, r in zip(rows, last)]
                 stop_token = self.yes_token if check.stop_if == "Yes" else self.no_token
                 params = self.check_params
-            else:
-                prompts = [self.frozen.chat_ids(self.prompts["verifier_system"], self.prompts["verifier_user"].format(
-                    query=live[i].query, memory=live[i].memory.render()), "Conclusion:") for i in rows]
-                stop_token, params = self.stop_token, self.verifier_params
             for i, smp in zip(rows, self.frozen.sample(prompts, params, seed)):
                 stops[i] = smp.ids[:1] == [stop_token]
         return stops
