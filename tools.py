@@ -31,8 +31,6 @@ Where this departs from the official code:
 """
 from __future__ import annotations
 
-import copy
-import difflib
 import importlib
 import json
 import os
@@ -42,19 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from support.bm25 import BM25, DiskBM25, tokenize
-from support.config import ConfigError, merge, out_of_bounds
+from support.config import TOOLSET_SETTINGS, ConfigError, check_tools, tool_defaults, tool_modules
 from support.reply_cache import ReplyCache
 from support.sandbox import ISOLATIONS, Limits, Sandbox, SandboxError
 from support.text import cut
 from support.web import WebError
-
-# The settings of the toolset itself (tools.* in the config); each tool class adds its own.
-TOOLSET_SETTINGS = {
-    # Modules that define tools (e.g. a module of your own), imported before the config's
-    # toolset is checked: each registers its tools (@register) under their names.
-    "modules": ["web_tools"],
-}
-
 
 @dataclass
 class ToolResult:
@@ -411,47 +401,17 @@ def network_tools(cfg: dict) -> list[str]:
     return [n for n in cfg["agent"]["tools"] if getattr(TOOL_CLASSES.get(n), "network", False)]
 
 
-def _own(cls: type, attr: str) -> dict:
-    """`attr` (settings, choices) of a tool class and its bases, each class's own entries."""
-    return {k: v for c in reversed(cls.__mro__) for k, v in vars(c).get(attr, {}).items()}
-
-
 def tool_settings() -> dict:
     """Every setting a config may give (tools.*) with its default: the toolset's and those
     of every registered tool."""
-    out = copy.deepcopy(TOOLSET_SETTINGS)
-    for cls in TOOL_CLASSES.values():
-        out.update(copy.deepcopy(_own(cls, "settings")))
-    return out
+    return tool_defaults(TOOL_CLASSES.values())
 
 
 def check_toolset(cfg: dict) -> list[str]:
-    """The config's toolset, before any model loads: agent.tools names known tools, every
-    tools.* key is a known setting of the right type (the rest take their defaults, written
-    into cfg), and each tool has what it needs outside the file (its API key, its corpus, a
-    contact address, a sandbox: Tool.preflight). tools.modules are imported first: their
-    tools count. A config that names what does not exist raises ConfigError; what a tool
-    lacks comes back as one line with the fix per tool, for the caller to report with the
-    rest."""
-    modules = cfg["tools"].get("modules", TOOLSET_SETTINGS["modules"])
-    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-        raise ConfigError(f"tools.modules must be a list of module names, got {modules!r}")
-    load_tool_modules(modules)
-    for name in cfg["agent"]["tools"]:
-        if name not in TOOL_CLASSES:
-            near = difflib.get_close_matches(name, list(TOOL_CLASSES), n=1)
-            hint = f"did you mean {near[0]}? " if near else ""
-            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: {', '.join(TOOL_CLASSES)}; "
-                              f"a tool of your own: @register it in a module and name the module in tools.modules")
-    settings = tool_settings()
-    choices = {f"tools.{k}": v for cls in TOOL_CLASSES.values() for k, v in _own(cls, "choices").items()}
-    merge(settings, cfg["tools"], tool_settings(), "tools.", choices)
-    bounds = {f"tools.{k}": v for cls in TOOL_CLASSES.values() for k, v in _own(cls, "bounds").items()}
-    problems = out_of_bounds(settings, tool_settings(), "tools.", bounds)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    cfg["tools"] = settings
-    return [p for p in (TOOL_CLASSES[name].preflight(settings) for name in cfg["agent"]["tools"]) if p]
+    """The config's toolset, before any model loads (support/config.check_tools: what it
+    checks, what raises, what comes back), tools.modules imported first: their tools count."""
+    load_tool_modules(tool_modules(cfg["tools"]))
+    return check_tools(cfg, TOOL_CLASSES)
 
 
 def build_tools(names: list[str], cfg: dict | None = None) -> dict[str, Tool]:

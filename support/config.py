@@ -4,13 +4,14 @@
 (`train.lr=1e-5`, `out_dir=runs/x`), and checks the result against DEFAULTS: an unknown
 key, a value of the wrong type or an impossible combination fails at once with the key's
 name and what is allowed. Every key the code reads is listed here, once, except the
-tools' own settings, which tools.py lists and checks (tools.check_toolset) with the
-names in agent.tools. `preflight(cfg)` then checks what lies outside the file - data
+tools' own settings, which each tool class lists (tools.py) and check_tools below checks
+with the names in agent.tools. `preflight(cfg)` then checks what lies outside the file - data
 paths, the model name, the judge's endpoint and key - so that train.py and eval.py fail
 in one line before any model is loaded (minutes at 7B), not with a traceback after.
 """
 
 import copy
+import difflib
 import json
 import os
 import re
@@ -67,7 +68,7 @@ DEFAULTS = {
         "generator": {"temperature": 0.0, "max_new_tokens": 32, "stop": ["\n"]},
     },
     # The tools' own settings: each tool class lists and comments its own (tools.py,
-    # web_tools.py), and tools.check_toolset checks them, as it does agent.tools.
+    # web_tools.py), and check_tools (below) checks them, as it does agent.tools.
     "tools": {},
     "data": {
         # JSONL rows: question, answer, kind (judge), task (optional). One file, or a list of
@@ -245,7 +246,7 @@ def out_of_bounds(cfg: dict, ref: dict, prefix: str = "", bounds: dict = BOUNDS)
 
 
 # Sections whose keys another file owns and checks: their values are taken as given here.
-OPEN_SECTIONS = {"tools": "tools.check_toolset", "reward.terms": "judge.Reward",
+OPEN_SECTIONS = {"tools": "check_tools", "reward.terms": "judge.Reward",
                  "agent.prompts": "agentflow.prompts_with",
                  "train.task_shares": "preflight (against the data's task kinds)"}
 # Open mappings taken whole: an override replaces the file's (train.task_shares={} is the data's shares).
@@ -359,6 +360,65 @@ def dotted(cfg: dict, prefix: str = "") -> dict:
     for key, value in cfg.items():
         flat.update(dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return flat
+
+
+# ----------------------------------------------------------------------------------------
+# The tools' settings (tools.*): the toolset's own here, each tool's in its class (tools.Tool:
+# settings, choices, bounds). tools.py hands its registry in, so this file imports no tool.
+
+# The settings of the toolset itself; each tool class adds its own.
+TOOLSET_SETTINGS = {
+    # Modules that define tools (e.g. a module of your own), imported before the config's
+    # toolset is checked: each registers its tools (@register) under their names.
+    "modules": ["web_tools"],
+}
+
+
+def tool_modules(tools: dict) -> list[str]:
+    """tools.modules of the config's tools section (its default when unset), a list of names."""
+    modules = tools.get("modules", TOOLSET_SETTINGS["modules"])
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"tools.modules must be a list of module names, got {modules!r}")
+    return modules
+
+
+def own_entries(cls: type, attr: str) -> dict:
+    """`attr` (settings, choices, bounds) of a tool class and of its bases: each class's own."""
+    return {k: v for c in reversed(cls.__mro__) for k, v in vars(c).get(attr, {}).items()}
+
+
+def tool_defaults(classes) -> dict:
+    """Every setting a config may give (tools.*) with its default: the toolset's and those of
+    each tool class in `classes`."""
+    out = copy.deepcopy(TOOLSET_SETTINGS)
+    for cls in classes:
+        out.update(copy.deepcopy(own_entries(cls, "settings")))
+    return out
+
+
+def check_tools(cfg: dict, classes: dict[str, type]) -> list[str]:
+    """The config's toolset against `classes` (the registered tools by name, tools.modules
+    imported: tools.check_toolset): agent.tools names known tools, every tools.* key is a
+    known setting of the right type and range (the rest take their defaults, written into
+    cfg), and each tool has what it needs outside the file (its API key, its corpus, a
+    contact address, a sandbox: Tool.preflight). A name or setting that does not exist
+    raises ConfigError; what a tool lacks comes back as one line with the fix per tool."""
+    for name in cfg["agent"]["tools"]:
+        if name not in classes:
+            near = difflib.get_close_matches(name, list(classes), n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise ConfigError(f"agent.tools: unknown tool {name!r}; {hint}known tools: "
+                              f"{', '.join(classes)}; a tool of your own: @register it in a module "
+                              f"and name the module in tools.modules")
+    each = lambda attr: {f"tools.{k}": v for cls in classes.values()  # noqa: E731
+                         for k, v in own_entries(cls, attr).items()}
+    settings = tool_defaults(classes.values())
+    merge(settings, cfg["tools"], tool_defaults(classes.values()), "tools.", each("choices"))
+    problems = out_of_bounds(settings, tool_defaults(classes.values()), "tools.", each("bounds"))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    cfg["tools"] = settings
+    return [p for p in (classes[name].preflight(settings) for name in cfg["agent"]["tools"]) if p]
 
 
 # ----------------------------------------------------------------------------------------
