@@ -39,12 +39,10 @@ and an interrupted evaluation resumes under any number of ranks.
 """
 
 import argparse
-import hashlib
 import json
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -56,12 +54,12 @@ from flow_grpo import ADVANTAGE_ESTIMATORS
 from judge import TURN_SCORES, Judge, Reward
 from memory import PLANNER_VIEWS
 from support import ranks
-from support.config import ConfigError, dotted, load_config, preflight
+from support.config import ConfigError, load_config, preflight
 from support.checkpoints import disk_problem
 from support.datasets import BENCHMARKS, PAPER_TABLE_1, Item, load_benchmark, paper_benchmarks, read_jsonl
 from support.device_memory import CaptureError, plan_for, use_expandable_segments
 from support.models import check_model, check_models, load_model, planner_name
-from support.provenance import weights_fingerprint
+from support.provenance import claim, judge_label, made_by
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
 from support.report.page import write_report
@@ -118,45 +116,6 @@ def evaluate(agent, items: list[Item], out_dir: str | Path, *, batch_size: int =
         clock = out / "seconds.txt"
         clock.write_text(f"{(float(clock.read_text()) if clock.exists() else 0.0) + time.time() - t0:.1f}\n")
     return world.broadcast(summary)
-
-
-def made_by(agent, judge: Judge, **settings) -> dict:
-    """What decides an evaluation's rows besides its items: the planner's and the frozen
-    modules' weights, the agent's settings (the planner's as it samples here; texts over 80
-    characters, the prompts, by their hash), the tools and their settings, the judge, and
-    `settings` (evaluate's turn budget, seed, batch size: a batch's seed and rows)."""
-    setup = json.loads(json.dumps({"agent": {**asdict(agent.cfg), "planner": asdict(agent.planner_params)},
-                                   "tools": {t.name: {k: t.cfg[k] for k in t.settings} for t in agent.tools.values()}}))
-    short = lambda v: v if len(json.dumps(v)) <= 80 else "sha256:" + hashlib.sha256(json.dumps(v).encode()).hexdigest()[:16]  # noqa: E731
-    return {"planner_weights": weights_fingerprint(agent.planner.model),
-            "modules_weights": weights_fingerprint(agent.frozen.model),
-            "judge": made_by_judge(judge),
-            **settings, **{k: short(v) for k, v in dotted(setup).items()}}
-
-
-def claim(out: Path, record: dict, items: list[Item]) -> str | None:
-    """Make `out` this evaluation's folder, or say why it is not: a folder holds the rows of
-    one planner under one setup (made_by.json), so a resume never passes another planner's
-    rows off as this one's. None when `out` is new or was made by the same setup, with the
-    same question and gold for every item id it holds; else the refusal, naming what differs."""
-    path, results = out / "made_by.json", out / "results.jsonl"
-    fix = f"give this evaluation another --out, or delete {out} to start it over"
-    if path.exists():
-        old = json.loads(path.read_text())
-        diff = [f"{k}: {old.get(k)!r} there, {record.get(k)!r} here" for k in sorted(old.keys() | record.keys())
-                if old.get(k) != record.get(k)]
-        if diff:
-            return f"{out} holds an evaluation made by another setup ({'; '.join(diff)}): {fix}"
-    elif results.exists():
-        return f"{out} holds results.jsonl but no made_by.json (an older or foreign evaluation): {fix}"
-    by_id = {it.id: it for it in items}
-    changed = [r["id"] for r in read_jsonl(results) if r["id"] in by_id
-               and (r["question"], r["gold"]) != (by_id[r["id"]].question, by_id[r["id"]].gold)]
-    if changed:
-        return f"{out} holds other questions or golds under the ids {', '.join(changed[:5])}: {fix}"
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return None
 
 
 def _run_batch(agent, batch: list[Item], max_turns: int, seed: int, judge: Judge) -> list[dict]:
@@ -279,7 +238,7 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
     notes = [f"Comparable with the paper's figures only as far as the setup matches. The paper: Qwen2.5-7B-Instruct "
              f"as every module, a GPT-4o judge, Google, Wikipedia and web search, up to 10 turns, every item. Here: "
              f"planner {args.model or planner_name(cfg['model'])}, other modules {cfg['model']['name']}, judge: "
-             f"{made_by_judge(judge)}, tools {', '.join(tools)}, a turn budget of {turns}, "
+             f"{judge_label(judge)}, tools {', '.join(tools)}, a turn budget of {turns}, "
              f"{f'the first {args.limit} items of each file' if args.limit else 'every item'}."]
     if not network_tools(cfg):
         notes.append(f"No web search in agent.tools: the facts {', '.join(b for b in SEARCH_BENCHMARKS if b in present)}"
@@ -294,10 +253,6 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
     if (run / "config.json").exists() and out == run / "eval" / "paper":  # a training run's folder: its report
         write_report(run)
     return 0
-
-
-def made_by_judge(judge: Judge) -> str:
-    return "rules" if judge.llm is None else f"rules, then LLM {judge.llm.model or '(the frozen modules)'}"
 
 
 def table_markdown(table: dict) -> str:

@@ -3,8 +3,11 @@
 What a reader needs to see why the same seed gives another number on another machine:
 the code's commit, torch and transformers versions, the CPU and the SIMD level torch
 dispatches to, threads, wall time. train.py calls record_run once, right
-after it writes config.json; the report shows it in every run's header. An evaluation
-folder records which planner weights wrote it (weights_fingerprint).
+after it writes config.json; the report shows it in every run's header.
+
+An evaluation folder (eval.evaluate) records what wrote its rows in made_by.json: the
+planner's and the modules' weights (weights_fingerprint), the agent's, tools' and judge's
+settings (made_by); claim refuses a folder another setup wrote.
 """
 
 import atexit
@@ -14,11 +17,14 @@ import os
 import platform
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import transformers
 
+from support.config import dotted
+from support.datasets import read_jsonl
 from support.report.runs import read_json
 
 
@@ -109,3 +115,57 @@ def weights_fingerprint(model) -> str:
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------
+# An evaluation folder's made_by.json: the rows of one planner under one setup.
+
+def made_by(agent, judge, **settings) -> dict:
+    """What decides the rows of an evaluation of `agent` (an agentflow.AgentSystem) judged by
+    `judge` (a judge.Judge) besides its items: the planner's and the frozen modules' weights,
+    the agent's settings (the planner's as it samples here; texts over 80 characters, the
+    prompts, by their hash), the tools and their settings, the judge, and `settings`
+    (evaluate's turn budget, seed, batch size: a batch's seed and rows)."""
+    setup = json.loads(json.dumps({
+        "agent": {**asdict(agent.cfg), "planner": asdict(agent.planner_params)},
+        "tools": {t.name: {k: t.cfg[k] for k in t.settings} for t in agent.tools.values()}}))
+
+    def short(v):
+        text = json.dumps(v)
+        return v if len(text) <= 80 else "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    return {"planner_weights": weights_fingerprint(agent.planner.model),
+            "modules_weights": weights_fingerprint(agent.frozen.model),
+            "judge": judge_label(judge),
+            **settings, **{k: short(v) for k, v in dotted(setup).items()}}
+
+
+def judge_label(judge) -> str:
+    """Who decides a verdict: the rules alone, or the rules and then which LLM."""
+    return "rules" if judge.llm is None else f"rules, then LLM {judge.llm.model or '(the frozen modules)'}"
+
+
+def claim(out: Path, record: dict, items: list) -> str | None:
+    """Make `out` this evaluation's folder, or say why it is not: a folder holds the rows of
+    one planner under one setup (made_by.json, `record`), so a resume never passes another
+    planner's rows off as this one's. None when `out` is new or was made by the same setup,
+    with the same question and gold for every item id it holds (`items`: its
+    support.datasets.Item list); else the refusal, naming what differs."""
+    path, results = out / "made_by.json", out / "results.jsonl"
+    fix = f"give this evaluation another --out, or delete {out} to start it over"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [f"{k}: {old.get(k)!r} there, {record.get(k)!r} here" for k in sorted(old.keys() | record.keys())
+                if old.get(k) != record.get(k)]
+        if diff:
+            return f"{out} holds an evaluation made by another setup ({'; '.join(diff)}): {fix}"
+    elif results.exists():
+        return f"{out} holds results.jsonl but no made_by.json (an older or foreign evaluation): {fix}"
+    by_id = {it.id: it for it in items}
+    changed = [r["id"] for r in read_jsonl(results) if r["id"] in by_id
+               and (r["question"], r["gold"]) != (by_id[r["id"]].question, by_id[r["id"]].gold)]
+    if changed:
+        return f"{out} holds other questions or golds under the ids {', '.join(changed[:5])}: {fix}"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return None
