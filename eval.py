@@ -50,15 +50,13 @@ from tqdm import tqdm
 
 from agentflow import AgentSystem, agent_config, prompts_with
 from engine import LLM
-from flow_grpo import ADVANTAGE_ESTIMATORS
-from judge import TURN_SCORES, Judge, Reward
+from judge import Judge, Reward
 from memory import PLANNER_VIEWS
 from support import ranks
-from support.config import ConfigError, load_config, preflight
-from support.checkpoints import disk_problem
+from support.config import ConfigError, check_run, load_config
 from support.datasets import BENCHMARKS, PAPER_TABLE_1, Item, load_benchmark, paper_benchmarks, read_jsonl
-from support.device_memory import CaptureError, plan_for, use_expandable_segments
-from support.models import check_model, check_models, load_model, planner_name
+from support.device_memory import CaptureError, use_expandable_segments
+from support.models import load_model, planner_name
 from support.provenance import claim, judge_label, made_by
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
@@ -311,33 +309,23 @@ def arguments(description: str, prog: str | None = None) -> argparse.ArgumentPar
     return ap
 
 
-def check_run(cfg: dict, training: bool = True, model_path: str | None = None) -> None:
-    """What a run needs outside its config file, before any model loads: the data and the
-    judge's endpoint (support/config.py), the tools' keys, files and sandbox, the reward's
-    terms, the models' own files (chat template, depth, cache, one tokenizer), a trained
-    planner to evaluate, and for training the disk its checkpoints need. ConfigError with
-    one line per problem, all at once."""
-    problems = preflight(cfg, data=training) + check_toolset(cfg)
-    Reward.from_config(cfg["reward"])  # its terms are known, their modules import
-    PLANNER_VIEWS.named(cfg["agent"]["planner_view"])  # the planner's view of the memory, perhaps one of those modules'
+def check_eval_names(cfg: dict) -> list[str]:
+    """What an evaluation's config names, before any model loads (support/config.check_run
+    calls this beside its own checks): the tools (tools.check_toolset: a line per problem,
+    returned), the reward's terms, the planner's view of the memory, the replaced prompts;
+    an unknown one raises ConfigError."""
+    problems = check_toolset(cfg)
+    Reward.from_config(cfg["reward"])  # its terms are known; first, as their modules may add views
+    PLANNER_VIEWS.named(cfg["agent"]["planner_view"])  # perhaps one of those modules'
     prompts_with(cfg["agent"]["prompts"])  # replaced prompts name a prompt and keep its fields
-    if training and cfg["train"]["advantage_mode"] == "per_turn":
-        TURN_SCORES.named(cfg["train"]["turn_score"])
-    if training:
-        ADVANTAGE_ESTIMATORS.named(cfg["train"]["advantage"])
-    models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
-    problems += models
-    if training and not models:  # the plan reads the model's config.json, which check_models just read
-        problems += [p for p in [disk_problem(cfg["out_dir"], plan_for(cfg).disk_bytes)] if p]
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems
 
 
 def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], str]:
     """(config, items, output folder) of a command line made by `arguments`; a bad config,
     toolset or benchmark file raises ConfigError, FileNotFoundError or ValueError."""
     cfg = load_config(args.config, args.overrides + list(extra_overrides))
-    check_run(cfg, training=False, model_path=args.model)
+    check_run(cfg, check_eval_names, training=False, model_path=args.model)
     if not args.benchmark:  # --suite: each file is read in its turn
         return cfg, [], args.out or str(Path(cfg["out_dir"]) / "eval" / "paper")
     items = load_benchmark(args.benchmark, limit=args.limit or None)

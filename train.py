@@ -53,17 +53,18 @@ from tqdm import tqdm
 
 from agentflow import AgentSystem, agent_config
 from engine import LLM
-from eval import check_run, evaluate
-from flow_grpo import LossConfig, UpdateConfig, frozen_reference, kept_groups, kept_rows, policy_update
+from eval import check_eval_names, evaluate
+from flow_grpo import (ADVANTAGE_ESTIMATORS, LossConfig, UpdateConfig, frozen_reference, kept_groups,
+                       kept_rows, policy_update)
 from judge import TURN_SCORES, Judge, Reward
 from support import ranks
 from support.checkpoints import check_out_dir, export_model, resume, save_checkpoint
-from support.config import ConfigError, load_config
+from support.config import ConfigError, check_run, load_config
 from support.datasets import load_benchmark
 from support.device_memory import PlanError, plan_for, use_expandable_segments
 from support.models import load_model, planner_name
 from support.optim import PlannerOptimizer, select_trainable
-from support.provenance import note_run, record_run
+from support.provenance import record_run
 from support.run_log import (append_metrics, engine_counters, print_learning_table, refresh_report, step_metrics,
                              write_trajectories)
 from support.sandbox import SandboxError
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
                 return 2
             print(plan.text())
             return 0 if plan.fits else 3
-        check_run(cfg)  # data, judge, tools, reward, models: all problems at once, before minutes of loading
+        check_run(cfg, check_train_names)  # data, judge, tools, reward, models, disk: all problems at once
         check_out_dir(cfg)  # out_dir is new, or this config's run to resume: no other run is overwritten
     except ConfigError as e:
         for line in str(e).splitlines():
@@ -111,6 +112,17 @@ def main(argv: list[str]) -> int:
     finally:
         ranks.shutdown()  # under torchrun: leave the process group (nothing without it)
     return 0
+
+
+def check_train_names(cfg: dict) -> list[str]:
+    """What a training config names (support/config.check_run calls this beside its own
+    checks, before minutes of loading): what an evaluation's names (eval.check_eval_names:
+    training evaluates), the turn score (with credit per turn) and the advantage estimator."""
+    problems = check_eval_names(cfg)
+    if cfg["train"]["advantage_mode"] == "per_turn":
+        TURN_SCORES.named(cfg["train"]["turn_score"])
+    ADVANTAGE_ESTIMATORS.named(cfg["train"]["advantage"])
+    return problems
 
 
 def run(cfg: dict) -> dict:

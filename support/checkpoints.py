@@ -136,19 +136,6 @@ def load_trained(model, trained: dict, where) -> None:
             params[name].copy_(tensor)
 
 
-def disk_problem(out_dir, need: float) -> str:
-    """Why out_dir's disk cannot hold `need` bytes ("" if it can): where it would be written."""
-    where = Path(out_dir).resolve()
-    while not where.exists():  # the folder is made at start: its disk is its nearest parent's
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    if free >= need:
-        return ""
-    return (f"out_dir: {free / 1e9:.1f} GB free on the disk of {where}, and the run's checkpoints and final export "
-            f"need up to {need / 1e9:.1f} GB (`python train.py CONFIG --plan` details them); free space or point "
-            f"out_dir at a larger disk")
-
-
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint in out_dir."""
     ckdir = out / "checkpoints"

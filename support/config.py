@@ -5,9 +5,10 @@
 key, a value of the wrong type or an impossible combination fails at once with the key's
 name and what is allowed. Every key the code reads is listed here, once, except the
 tools' own settings, which each tool class lists (tools.py) and check_tools below checks
-with the names in agent.tools. `preflight(cfg)` then checks what lies outside the file - data
-paths, the model name, the judge's endpoint and key - so that train.py and eval.py fail
-in one line before any model is loaded (minutes at 7B), not with a traceback after.
+with the names in agent.tools. `check_run` then checks what lies outside the file - the
+data, the judge's endpoint and key, the models' files, the disk - beside what the method
+files check of the names a config gives, so that train.py and eval.py fail in one line per
+problem before any model is loaded (minutes at 7B), not with a traceback after.
 """
 
 import copy
@@ -15,6 +16,8 @@ import difflib
 import json
 import os
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -424,11 +427,30 @@ def check_tools(cfg: dict, classes: dict[str, type]) -> list[str]:
 # ----------------------------------------------------------------------------------------
 # Preflight: what the config points at, checked before anything heavy happens.
 
+def check_run(cfg: dict, check_names: Callable[[dict], list[str]], training: bool = True,
+              model_path: str | None = None) -> None:
+    """What a run needs before any model loads, every problem at once (one ConfigError, a
+    line each): the data (for training) and the judge's endpoint (preflight), what the
+    config names (check_names(cfg): the method files' check, train.check_train_names or
+    eval.check_eval_names, whose lines join these), the models' own files (chat template,
+    depth, cache, one tokenizer: support/models.check_models), a trained planner to evaluate
+    (model_path: eval.py --model), and for training the disk its checkpoints need."""
+    # Imported here: reading a config needs neither torch nor transformers.
+    from support.device_memory import plan_for
+    from support.models import check_model, check_models
+    problems = preflight(cfg, data=training) + check_names(cfg)
+    models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
+    problems += models
+    if training and not models:  # the plan reads the model's config.json, which check_models just read
+        problems += [p for p in [disk_problem(cfg["out_dir"], plan_for(cfg).disk_bytes)] if p]
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def preflight(cfg: dict, data: bool = True) -> list[str]:
     """What the config points at outside the file, one line with the fix for each problem,
     all of them at once: a missing data file, a judge endpoint without its model or key.
-    data=False skips data.* (eval.py reads --benchmark instead). What the tools need is
-    tools.check_toolset's, what the models need support.models.check_models'."""
+    data=False skips data.* (eval.py reads --benchmark instead)."""
     problems = []
     if data:
         # the paraphrase set is read only where the before/after evaluation runs
@@ -467,3 +489,16 @@ def _task_kinds(path: str) -> set[str]:
     """The task kinds of a data file's rows, as train.draw_queries reads them ("" for none)."""
     from support.datasets import load_benchmark
     return {it.meta.get("task", "") for it in load_benchmark(path)}
+
+
+def disk_problem(out_dir, need: float) -> str:
+    """Why out_dir's disk cannot hold `need` bytes ("" if it can): where it would be written."""
+    where = Path(out_dir).resolve()
+    while not where.exists():  # the folder is made at start: its disk is its nearest parent's
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free >= need:
+        return ""
+    return (f"out_dir: {free / 1e9:.1f} GB free on the disk of {where}, and the run's checkpoints and final export "
+            f"need up to {need / 1e9:.1f} GB (`python train.py CONFIG --plan` details them); free space or point "
+            f"out_dir at a larger disk")

@@ -1,7 +1,8 @@
-"""The checks before any model loads (eval.check_run: support/config.py's load_config and
-preflight, tools.check_toolset, judge.Reward, support/models.check_models): a bad path,
-model name, tool or missing API key is one line that names the key and the fix, and every
-problem is reported at once."""
+"""The checks before any model loads (support/config.py's load_config and check_run, with
+the method files' checks of what a config names: train.check_train_names and
+eval.check_eval_names, tools.check_toolset, judge.Reward; support/models.check_models): a
+bad path, model name, tool or missing API key is one line that names the key and the fix,
+and every problem is reported at once."""
 
 import json
 import sys
@@ -12,9 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eval import check_run  # noqa: E402
-from support.config import ConfigError, load_config  # noqa: E402
+from eval import check_eval_names  # noqa: E402
+from support.config import ConfigError, check_run, load_config  # noqa: E402
 from support.models import model_name_problem  # noqa: E402
+from train import check_train_names  # noqa: E402
 
 DATA = [f"data.train={ROOT / 'data' / 'train.jsonl'}", f"data.heldout={ROOT / 'data' / 'heldout.jsonl'}",
         f"data.paraphrase={ROOT / 'data' / 'paraphrase.jsonl'}", f"tools.corpus={ROOT / 'data' / 'corpus.jsonl'}"]
@@ -26,7 +28,7 @@ def cfg(*overrides, path=ROOT / "config.yaml"):
 
 def check(c, data=True, model_path=None):
     """What train.py (data=True) and eval.py check once the file is read."""
-    check_run(c, training=data, model_path=model_path)
+    check_run(c, check_train_names if data else check_eval_names, training=data, model_path=model_path)
 
 
 def fails(c, *words, **kw):
