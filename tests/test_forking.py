@@ -189,3 +189,13 @@ def test_the_guide_run_top_to_bottom_as_printed_trains_every_command(fork):
         assert not out.exists(), f"{text.splitlines()[0]}: {out} holds an earlier command's run"
         assert train.main(args + ["model.name=models/tiny", *ONE_STEP]) == 0, text.splitlines()[0]
         assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_the_guide_names_every_prompt_field():
+    """Recipe 7's table lists each prompt of agentflow.PROMPTS with exactly the fields it has."""
+    import string
+    from agentflow import PROMPTS
+    rows = re.findall(r"^\| (`\w+`(?:, `\w+`)*) \| (.*) \|$", SECTIONS[6], flags=re.M)
+    listed = {name: set(re.findall(r"\{(\w+)\}", fields))
+              for names, fields in rows for name in re.findall(r"`(\w+)`", names)}
+    assert listed == {name: {f for _, f, _, _ in string.Formatter().parse(text) if f} for name, text in PROMPTS.items()}
