@@ -239,7 +239,8 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
              f"{judge_label(judge)}, tools {', '.join(tools)}, a turn budget of {turns}, "
              f"{f'the first {args.limit} items of each file' if args.limit else 'every item'}."]
     if not network_tools(cfg):
-        notes.append(f"No web search in agent.tools: the facts {', '.join(b for b in SEARCH_BENCHMARKS if b in present)}"
+        searched = ", ".join(b for b in SEARCH_BENCHMARKS if b in present)
+        notes.append(f"No web search in agent.tools: the facts {searched}"
                      " ask about are not in the local corpus, so their scores here say what the model knows unaided.")
     notes.append("infra: items where a tool (or the judge) failed after its retries for reasons the model did not "
                  "cause; they keep their verdict and stay in the accuracy (never counted as the model's tool error).")

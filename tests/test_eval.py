@@ -62,8 +62,9 @@ def test_two_planners_into_one_run_folder_each_get_their_own_rows(tiny_model_dir
 def test_other_questions_under_the_same_ids_are_refused(tiny_model_dir, tmp_path, capsys):
     """A benchmark file edited between two runs: the folder's rows no longer answer its items."""
     data = tmp_path / "tasks.jsonl"
-    write = lambda q: data.write_text("".join(json.dumps({"id": f"t{k}", "question": f"{q} {k}?", "answer": "4",  # noqa: E731
-                                                          "kind": "number"}) + "\n" for k in range(2)))
+    def write(q):
+        data.write_text("".join(json.dumps({"id": f"t{k}", "question": f"{q} {k}?", "answer": "4", "kind": "number"})
+                                + "\n" for k in range(2)))
     args = ["--benchmark", str(data), "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "e"),
             f"model.name={tiny_model_dir}", *FAST]
     write("What is 2 + 2, item")
