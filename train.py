@@ -46,6 +46,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,14 +62,13 @@ from support import ranks
 from support.checkpoints import check_out_dir, export_model, resume, save_checkpoint
 from support.config import ConfigError, check_run, load_config
 from support.datasets import load_benchmark
-from support.device_memory import PlanError, plan_for, use_expandable_segments
+from support.device_memory import Plan, PlanError, plan_for, use_expandable_segments
 from support.models import load_model, planner_name
 from support.optim import PlannerOptimizer, select_trainable
-from support.provenance import record_run
-from support.run_log import (append_metrics, engine_counters, print_learning_table, refresh_report, step_metrics,
-                             write_trajectories)
+from support.run_log import (append_metrics, engine_counters, refresh_report, start_run, step_metrics,
+                             write_learning, write_trajectories)
 from support.sandbox import SandboxError
-from support.seeds import derive_seed, seed_everything
+from support.seeds import derive_seed
 from tools import build_tools, network_tools
 
 
@@ -126,44 +126,116 @@ def check_train_names(cfg: dict) -> list[str]:
 
 
 def run(cfg: dict) -> dict:
-    """The whole job: build everything, evaluate, (resume,) train, evaluate, report."""
+    """The whole job: build everything (build_run), evaluate the untrained planner, resume
+    if out_dir holds a checkpoint, the training loop, then evaluate and report (finish)."""
     started = time.time()
-    world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
-    out, t, e = Path(cfg["out_dir"]), cfg["train"], cfg["eval"]
-    if world.main:  # rank 0 alone writes; the others may run on machines that cannot see out_dir
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        provenance = record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
-    seed_everything(cfg["seed"])  # the same on every rank: the ranks' own seeds are derived (support/seeds.py)
-    if cfg["model"]["threads"]:
-        torch.set_num_threads(cfg["model"]["threads"])
+    r = build_run(cfg)
+    t, out, world = cfg["train"], r.out, r.world
+    # "Before" is the untrained planner's, so it runs before a resume loads trained weights
+    # (a resumed run reads it back from eval/step_0; an unfinished one completes it).
+    before = r.held_out_eval(0) if t["eval_before_after"] else None
+    paraphrase_before = r.paraphrase_eval(0) if r.paraphrase else None
+    start = resume(out, r.model, r.optimizer, world) if cfg["resume"] else 0
+    if start and world.main:
+        print(f"resumed from {out}/checkpoints/step_{start}"
+              + (": nothing left to train (raise train.steps to go on)" if start == t["steps"] else ""),
+              flush=True)
+    bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
+               disable=not world.main)
+    dry = 0  # steps in a row that trained on nothing, the infrastructure's fault (tools or judge)
+    for step in bar:
+        with r.plan.guard(f"in training step {step + 1}"):
+            metrics = train_step(cfg, step, r.agent, r.model, r.ref, r.optimizer, r.train_items, r.judge,
+                                 r.reward, out, update_tokens=r.plan.update_tokens, world=world)
+        failed = metrics["infra_failures"] or metrics["judge"]["llm_failed"]  # tools' or judge's
+        dry = dry + 1 if not metrics["optimizer_steps"] and failed else 0
+        if t["max_infra_steps"] and dry >= t["max_infra_steps"]:
+            if world.main:
+                append_metrics(out, metrics)
+            raise InfrastructureStop(
+                f"steps {step + 2 - dry}-{step + 1} trained on nothing: infrastructure failures "
+                f"(network, keys, quotas) left no group two rollouts ({metrics['infra_failures']} "
+                f"failed tool calls and {metrics['judge']['llm_failed']} failed judge calls in step "
+                f"{step + 1}; their errors are in {out}/trajectories/step_{step + 1}.jsonl). Fix the "
+                f"tools' or the judge's access, or set train.max_infra_steps=0 to go on regardless; "
+                f"the run resumes from its last checkpoint")
+        if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
+            metrics["heldout_accuracy"] = r.held_out_eval(step + 1)["accuracy"]
+        if not world.main:
+            continue  # rank 0's weights (tests/test_dist.py): nothing of its own to save
+        append_metrics(out, metrics)
+        bar.set_postfix(reward="-" if metrics["reward_mean"] is None else f"{metrics['reward_mean']:.2f}",
+                        kl="-" if metrics["kl"] is None else f"{metrics['kl']:.4f}",
+                        tools=metrics["top_tool"])
+        if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
+            save_checkpoint(out, step + 1, r.model, r.optimizer)  # what a resume needs
+            refresh_report(out)
+    return finish(r, before, paraphrase_before, started)
 
-    # The memory plan, from the model's config.json: a run that cannot fit stops here.
-    plan = plan_for(cfg, ranks=world.size, web_tools=network_tools(cfg))  # each rank: all of it, its rollouts' share
-    if world.main:
-        print(plan.text(), flush=True)
-    if not plan.fits:
-        raise PlanError("; ".join(plan.problems))
-    t["micro_batch"] = plan.micro_batch  # "auto": the plan's choice
+
+@dataclass
+class Run:
+    """What a run is made of (build_run), shared by the loop and the evaluations."""
+    cfg: dict
+    world: ranks.World  # ranks.SINGLE without torchrun
+    out: Path  # out_dir
+    plan: Plan  # the memory plan: its sizes, and the guard that names what overflows it
+    model: torch.nn.Module  # pi_theta, the trained planner
+    tok: object  # the tokenizer all modules share
+    ref: torch.nn.Module  # pi_ref: the frozen initial weights
+    optimizer: PlannerOptimizer
+    agent: AgentSystem
+    judge: Judge
+    reward: Reward
+    train_items: list  # data.train, every file in order
+    heldout: list  # data.heldout (its first eval.limit items)
+    paraphrase: list  # data.paraphrase where the before/after evaluation runs, else []
+
+    def held_out_eval(self, step: int, items=None, where="", seed=None, what="held-out") -> dict:
+        """heldout at `step`, in eval/step_N; paraphrase_eval passes its own set, folder
+        and seed."""
+        e = self.cfg["eval"]
+        with self.plan.guard(f"during the {what} evaluation at step {step}"):
+            return evaluate(self.agent, self.heldout if items is None else items,
+                            self.out / "eval" / where / f"step_{step}", batch_size=e["batch_size"],
+                            max_turns=e["max_turns"], seed=e["seed"] if seed is None else seed,
+                            planner_temperature=e["planner_temperature"],
+                            desc=f"{what} eval @ step {step}", judge=self.judge, world=self.world)
+
+    def paraphrase_eval(self, step: int) -> dict:
+        """The paraphrase set at `step`: a folder and a seed of its own, so heldout's results
+        stay as they were."""
+        seed = derive_seed("paraphrase", self.cfg["eval"]["seed"])
+        return self.held_out_eval(step, self.paraphrase, "paraphrase", seed, "paraphrase")
+
+
+def build_run(cfg: dict) -> Run:
+    """The run's pieces, in this order: its start (support/run_log.start_run: out_dir's
+    files, the seeds, the memory plan), the tools, the models, the optimizer, the reward,
+    the agent, the judge, the data."""
+    world, out, plan = start_run(cfg, web_tools=network_tools)
+    t, e, m = cfg["train"], cfg["eval"], cfg["model"]
     # The tools first: where the Python sandbox cannot work, the run stops before the model loads.
     tools = build_tools(cfg["agent"]["tools"], cfg["tools"])
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are
     # pi_ref for the KL term and also run the executor, verifier and generator (unless
     # model.planner gives the planner a model of its own). The reference shares the
     # policy's frozen weights and copies only the trained ones.
-    m = cfg["model"]
     with world.local_first():  # the default model's one-time conversion: once per machine
         model, tok = load_model(planner_name(m), m["device"], m["dtype"])
         params = select_trainable(model, t["train_layers"])
         ref = frozen_reference(model, params)
-        modules = ref if planner_name(m) == m["name"] else load_model(m["name"], m["device"], m["dtype"])[0]
+        own = planner_name(m) != m["name"]  # model.planner: the modules run model.name
+        modules = load_model(m["name"], m["device"], m["dtype"])[0] if own else ref
         planner, frozen = LLM(model, tok), LLM(modules, tok)
-    for llm in (planner, frozen):  # the sampler's sub-batches and prefill forwards stay inside the plan
+    for llm in (planner, frozen):  # sub-batches and prefill forwards stay inside the plan
         llm.sub_batch_bytes, llm.prefill_tokens = plan.sub_batch_bytes, plan.prefill_tokens
     # AdamW, through fp32 masters for bf16 weights; the warmup counts optimizer steps.
-    optimizer = PlannerOptimizer(params, t["lr"], t["weight_decay"], t["warmup_steps"] * t["epochs"] * t["minibatches"])
-    reward = Reward.from_config(cfg["reward"])  # R: the judge's verdict, with other terms if reward.terms says
-    agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))  # after reward.modules: views of one's own
+    warmup = t["warmup_steps"] * t["epochs"] * t["minibatches"]
+    optimizer = PlannerOptimizer(params, t["lr"], t["weight_decay"], warmup)
+    reward = Reward.from_config(cfg["reward"])  # R: the judge's verdict, and reward.terms' others
+    # After the reward: reward.modules may register planner views of one's own.
+    agent = AgentSystem(planner, frozen, tools, agent_config(cfg["agent"]))
     if world.main:
         (out / "prompts.json").write_text(json.dumps(agent.system_prompts(), indent=1) + "\n")
     judge = Judge.from_config(cfg["judge"], engine=agent.frozen)  # rules, then the LLM if judge.llm
@@ -173,71 +245,28 @@ def run(cfg: dict) -> dict:
     # evaluated beside heldout before and after training only.
     paraphrase = (load_benchmark(cfg["data"]["paraphrase"], limit=e["limit"] or None)
                   if cfg["data"]["paraphrase"] and t["eval_before_after"] else [])
+    return Run(cfg, world, out, plan, model, tok, ref, optimizer, agent, judge, reward, train_items,
+               heldout, paraphrase)
 
-    def held_out_eval(step: int, items=heldout, where="", seed=e["seed"], what="held-out") -> dict:
-        """heldout at `step`, in eval/step_N; paraphrase_eval passes its own set, folder and seed."""
-        with plan.guard(f"during the {what} evaluation at step {step}"):
-            return evaluate(agent, items, out / "eval" / where / f"step_{step}", batch_size=e["batch_size"],
-                            max_turns=e["max_turns"], seed=seed, planner_temperature=e["planner_temperature"],
-                            desc=f"{what} eval @ step {step}", judge=judge, world=world)
 
-    def paraphrase_eval(step: int) -> dict:  # a folder and a seed of its own: heldout's results stay as they were
-        return held_out_eval(step, paraphrase, "paraphrase", derive_seed("paraphrase", e["seed"]), "paraphrase")
-
-    # "Before" is the untrained planner's, so it runs before a resume loads trained weights
-    # (a resumed run reads it back from eval/step_0; an unfinished one completes it).
-    before = held_out_eval(0) if t["eval_before_after"] else None
-    paraphrase_before = paraphrase_eval(0) if paraphrase else None
-    start = resume(out, model, optimizer, world) if cfg["resume"] else 0
-    if start and world.main:
-        print(f"resumed from {out}/checkpoints/step_{start}" + (": nothing left to train (raise train.steps to go on)"
-                                                                 if start == t["steps"] else ""), flush=True)
-    bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step",
-               disable=not world.main)
-    dry = 0  # steps in a row that trained on nothing because the tools' or the judge's infrastructure failed
-    for step in bar:
-        with plan.guard(f"in training step {step + 1}"):
-            metrics = train_step(cfg, step, agent, model, ref, optimizer, train_items, judge, reward, out,
-                                 update_tokens=plan.update_tokens, world=world)
-        failed = metrics["infra_failures"] or metrics["judge"]["llm_failed"]  # the tools' or the judge's
-        dry = dry + 1 if not metrics["optimizer_steps"] and failed else 0
-        if t["max_infra_steps"] and dry >= t["max_infra_steps"]:
-            if world.main:
-                append_metrics(out, metrics)
-            raise InfrastructureStop(
-                f"steps {step + 2 - dry}-{step + 1} trained on nothing: infrastructure failures (network, keys, "
-                f"quotas) left no group two rollouts ({metrics['infra_failures']} failed tool calls and "
-                f"{metrics['judge']['llm_failed']} failed judge calls in step {step + 1}; their errors are in "
-                f"{out}/trajectories/step_{step + 1}.jsonl). Fix the tools' or the judge's access, or set "
-                f"train.max_infra_steps=0 to go on regardless; the run resumes from its last checkpoint")
-        if t["eval_every"] and (step + 1) % t["eval_every"] == 0 and step + 1 < t["steps"]:
-            metrics["heldout_accuracy"] = held_out_eval(step + 1)["accuracy"]
-        if not world.main:
-            continue  # the same weights as rank 0's (tests/test_dist.py): nothing of its own to save
-        append_metrics(out, metrics)
-        bar.set_postfix(reward="-" if metrics["reward_mean"] is None else f"{metrics['reward_mean']:.2f}",
-                        kl="-" if metrics["kl"] is None else f"{metrics['kl']:.4f}", tools=metrics["top_tool"])
-        if (step + 1) % t["save_every"] == 0 or step + 1 == t["steps"]:
-            save_checkpoint(out, step + 1, model, optimizer)  # what a resume needs
-            refresh_report(out)
+def finish(r: Run, before: dict | None, paraphrase_before: dict | None, started: float) -> dict:
+    """After the last step: the trained planner exported whole, evaluated on heldout (and the
+    paraphrase set) beside `before`, learning.json, the report; learning.json's content."""
+    t, e, out, world = r.cfg["train"], r.cfg["eval"], r.out, r.world
     if world.main:  # the trained planner, whole, for eval.py --model and from_pretrained
-        export_model(out / "model", model, tok)
-
+        export_model(out / "model", r.model, r.tok)
     result = {"before": before}
     if t["eval_before_after"]:
-        result["after"] = held_out_eval(t["steps"])
-        if paraphrase:  # the same summaries (accuracy, turns, plans per kind) for the paraphrase set
-            result["paraphrase"] = {"before": paraphrase_before, "after": paraphrase_eval(t["steps"])}
+        result["after"] = r.held_out_eval(t["steps"])
+        if r.paraphrase:  # the same summaries (accuracy, turns, plans per kind) for that set
+            result["paraphrase"] = {"before": paraphrase_before, "after": r.paraphrase_eval(t["steps"])}
         # What reproduces the table; wall_s is this process's time (a resumed run's own part).
-        result["run"] = {"seed": cfg["seed"], "steps": t["steps"], "eval_seed": e["seed"],
+        result["run"] = {"seed": r.cfg["seed"], "steps": t["steps"], "eval_seed": e["seed"],
                          "wall_s": round(time.time() - started, 1)}
         if world.size > 1:
             result["run"]["ranks"] = world.size
         if world.main:
-            (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
-            print_learning_table(result)
-            if paraphrase:
-                print_learning_table(result["paraphrase"], "Paraphrase set (new wordings, never trained on)")
+            write_learning(out, result)  # learning.json, and its tables printed
     if world.main:
         print(f"report: {refresh_report(out)}")
     return result

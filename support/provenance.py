@@ -2,8 +2,8 @@
 
 What a reader needs to see why the same seed gives another number on another machine:
 the code's commit, torch and transformers versions, the CPU and the SIMD level torch
-dispatches to, threads, wall time. train.py calls record_run once, right
-after it writes config.json; the report shows it in every run's header.
+dispatches to, threads, wall time. A training run calls record_run once, right after it
+writes config.json (support/run_log.start_run); the report shows it in every run's header.
 
 An evaluation folder (eval.evaluate) records what wrote its rows in made_by.json: the
 planner's and the modules' weights (weights_fingerprint), the agent's, tools' and judge's

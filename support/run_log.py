@@ -1,5 +1,6 @@
-"""What a training run writes as it goes: each step's trajectories and metrics row, the
-report, the before/after table. Under torchrun rank 0 alone writes, and every figure is
+"""What a training run writes as it goes: at its start config.json, run.json and the memory
+plan (start_run), each step's trajectories and metrics row, the report, the before/after
+table (learning.json). Under torchrun rank 0 alone writes, and every figure is
 computed from all ranks' rollouts, concatenated in rank order (= query order), so it is
 the one a single process with all of those rollouts would compute.
 
@@ -13,9 +14,38 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from support.device_memory import device_peaks
+import torch
+
+from support import ranks
+from support.device_memory import Plan, PlanError, device_peaks, plan_for
+from support.provenance import record_run
 from support.ranks import SINGLE
 from support.report.page import write_report
+from support.seeds import seed_everything
+
+
+def start_run(cfg: dict, web_tools) -> tuple[ranks.World, Path, Plan]:
+    """A training run's start, before anything is built: the ranks, out_dir's config.json and
+    run.json (support/provenance.py), the seeds and threads, and the memory plan from the
+    model's config.json (web_tools(cfg): the tools that call the web, tools.network_tools),
+    printed; a run that cannot fit stops here (PlanError). (world, out_dir, plan)."""
+    world = ranks.init(cfg["model"]["device"])  # ranks.SINGLE without torchrun
+    out = Path(cfg["out_dir"])
+    if world.main:  # rank 0 alone writes; the others may run on machines that cannot see out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        record_run(out, cfg)  # run.json: seed, commit, versions, CPU, threads; wall time at exit
+    seed_everything(cfg["seed"])  # the same on every rank: the ranks' own seeds are derived from it
+    if cfg["model"]["threads"]:
+        torch.set_num_threads(cfg["model"]["threads"])
+    # Each rank plans for all of the run but its share of the rollouts.
+    plan = plan_for(cfg, ranks=world.size, web_tools=web_tools(cfg))
+    if world.main:
+        print(plan.text(), flush=True)
+    if not plan.fits:
+        raise PlanError("; ".join(plan.problems))
+    cfg["train"]["micro_batch"] = plan.micro_batch  # "auto": the plan's choice
+    return world, out, plan
 
 
 def engine_counters(agent) -> tuple[int, int]:
@@ -117,6 +147,15 @@ def refresh_report(out: Path):
     except OSError as e:
         print(f"warning: could not write the report: {e}", file=sys.stderr)
         return None
+
+
+def write_learning(out: Path, result: dict) -> None:
+    """learning.json: held-out (and the paraphrase set, where it ran) before vs after; and its
+    tables printed."""
+    (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
+    print_learning_table(result)
+    if "paraphrase" in result:
+        print_learning_table(result["paraphrase"], "Paraphrase set (new wordings, never trained on)")
 
 
 def print_learning_table(result: dict, title: str = "Held-out") -> None:
