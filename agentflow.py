@@ -211,7 +211,8 @@ class AgentSystem:
             if not tool:  # the general question
                 prompts = [self.frozen.chat_ids(
                     self.prompts["verifier_system"],
-                    self.prompts["verifier_user"].format(query=live[i].query, memory=live[i].memory.render()),
+                    self.prompts["verifier_user"].format(query=live[i].query,
+                                                         memory=live[i].memory.render()),
                     "Conclusion:") for i in rows]
                 stop_token, params = self.stop_token, self.verifier_params
             else:  # the Check of the tool that ran last

@@ -256,8 +256,9 @@ class LLMJudge:
     e.g. the project's own engine (engine_generate).
     Every failure is "no verdict": verdicts() returns None for it with the reason (also in
     self.last_reason and the log), and whether the infrastructure failed (the request, the
-    endpoint, the engine) rather than the judge's reply. A judge that cannot answer must not turn into a reward
-    of 1, nor a crash; one whose infrastructure failed must not turn into a reward at all.
+    endpoint, the engine) rather than the judge's reply. A judge that cannot answer must not
+    turn into a reward of 1, nor a crash; one whose infrastructure failed must not turn into
+    a reward at all.
     """
 
     def __init__(self, base_url: str | None = None, model: str | None = None,

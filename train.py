@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
                 return 2
             print(plan.text())
             return 0 if plan.fits else 3
-        check_run(cfg, check_train_names)  # data, judge, tools, reward, models, disk: all problems at once
+        check_run(cfg, check_train_names)  # data, judge, tools, reward, models, disk: all at once
         check_out_dir(cfg)  # out_dir is new, or this config's run to resume: no other run is overwritten
     except ConfigError as e:
         for line in str(e).splitlines():

@@ -11,9 +11,12 @@ It never imports the method files (tests/test_layout.py checks it). What is here
     ranks.py           several processes under torchrun: shares, gradient sums, gathers
     checkpoints.py     save and resume, atomically
     seeds.py           every seed a run derives from its one seed
-    run_log.py         what a step writes: trajectories and the metrics row
-    provenance.py      run.json: where and with what each process of a run ran
-    config.py          every knob, its default, its range, validation, the preflight
+    run_log.py         what a run writes: its start (config.json, the plan), each step's
+                       trajectories and metrics row, learning.json
+    provenance.py      run.json: where and with what each process of a run ran; what made
+                       an evaluation folder's rows (made_by.json)
+    config.py          every knob, its default, its range, validation (the tools' settings
+                       too), the preflight
     registry.py        named functions a config names (turn scores, estimators, planner views)
     datasets.py        benchmark and task files -> items
     answers.py, math_answer.py   reading answers for the judge's rules

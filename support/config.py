@@ -441,7 +441,7 @@ def check_run(cfg: dict, check_names: Callable[[dict], list[str]], training: boo
     problems = preflight(cfg, data=training) + check_names(cfg)
     models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
     problems += models
-    if training and not models:  # the plan reads the model's config.json, which check_models just read
+    if training and not models:  # the plan reads the config.json check_models just read
         problems += [p for p in [disk_problem(cfg["out_dir"], plan_for(cfg).disk_bytes)] if p]
     if problems:
         raise ConfigError("\n".join(problems))
@@ -499,6 +499,6 @@ def disk_problem(out_dir, need: float) -> str:
     free = shutil.disk_usage(where).free
     if free >= need:
         return ""
-    return (f"out_dir: {free / 1e9:.1f} GB free on the disk of {where}, and the run's checkpoints and final export "
-            f"need up to {need / 1e9:.1f} GB (`python train.py CONFIG --plan` details them); free space or point "
-            f"out_dir at a larger disk")
+    return (f"out_dir: {free / 1e9:.1f} GB free on the disk of {where}, and the run's checkpoints "
+            f"and final export need up to {need / 1e9:.1f} GB (`python train.py CONFIG --plan` "
+            f"details them); free space or point out_dir at a larger disk")

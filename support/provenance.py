@@ -142,7 +142,9 @@ def made_by(agent, judge, **settings) -> dict:
 
 def judge_label(judge) -> str:
     """Who decides a verdict: the rules alone, or the rules and then which LLM."""
-    return "rules" if judge.llm is None else f"rules, then LLM {judge.llm.model or '(the frozen modules)'}"
+    if judge.llm is None:
+        return "rules"
+    return f"rules, then LLM {judge.llm.model or '(the frozen modules)'}"
 
 
 def claim(out: Path, record: dict, items: list) -> str | None:
@@ -155,12 +157,13 @@ def claim(out: Path, record: dict, items: list) -> str | None:
     fix = f"give this evaluation another --out, or delete {out} to start it over"
     if path.exists():
         old = json.loads(path.read_text())
-        diff = [f"{k}: {old.get(k)!r} there, {record.get(k)!r} here" for k in sorted(old.keys() | record.keys())
-                if old.get(k) != record.get(k)]
+        diff = [f"{k}: {old.get(k)!r} there, {record.get(k)!r} here"
+                for k in sorted(old.keys() | record.keys()) if old.get(k) != record.get(k)]
         if diff:
             return f"{out} holds an evaluation made by another setup ({'; '.join(diff)}): {fix}"
     elif results.exists():
-        return f"{out} holds results.jsonl but no made_by.json (an older or foreign evaluation): {fix}"
+        return (f"{out} holds results.jsonl but no made_by.json (an older or foreign evaluation): "
+                f"{fix}")
     by_id = {it.id: it for it in items}
     changed = [r["id"] for r in read_jsonl(results) if r["id"] in by_id
                and (r["question"], r["gold"]) != (by_id[r["id"]].question, by_id[r["id"]].gold)]
