@@ -1,7 +1,7 @@
 """The engine: chat formatting and the hand-written, batched, KV-cached sampler. Every LLM
 call of AgentFlow goes through LLM.sample here (the four modules, evaluation, the
-judge's yes/no), and the trainer's log-probs (flow_grpo.token_logprobs) lay their rows
-out through the same `prefill`. There is no other engine.
+judge's yes/no), and the trainer's log-probs (flow_grpo.token_logprobs) run through
+`last_hidden`, which lays rows out as the sampler's prefill does. There is no other engine.
 
 Paper: the modules are served by vLLM there; this file is what replaces it. What it must
 guarantee for Flow-GRPO: the planner samples from the CURRENT trainable weights, and every
@@ -52,7 +52,7 @@ from support.kv_cache import PreallocatedLayer, cache_layer, preallocated_cache
 
 @dataclass
 class Sample:
-    ids: list[int]  # the sampled token ids, including the EOS / stop-string token that ended the row
+    ids: list[int]  # the sampled token ids, with the EOS / stop-string token that ended the row
     logprobs: list[float]  # log-prob of each id, see LLM.sample for which distribution
     text: str  # decoded ids, cut before the stop string, EOS removed
     finish: str  # "eos", "stop" or "length"
@@ -88,11 +88,11 @@ class LLM:
 
     def __init__(self, model, tokenizer, check_every: int | None = None):
         self.model, self.tok = model, tokenizer
-        eos = {tokenizer.eos_token_id}
+        eos, pad = {tokenizer.eos_token_id}, tokenizer.pad_token_id
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
         self.eos_ids = sorted(i for i in eos if i is not None)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
         self.sub_batch_bytes: int | None = None
         self.prefill_tokens: int | None = None
         self.check_every = check_every or (8 if self.device.type == "cuda" else 1)
@@ -128,23 +128,24 @@ class LLM:
         a softmax over those ids alone (the other logits set to -inf), and its logprob is
         under that restricted softmax. Same prompts, params and seed give the same tokens.
         """
-        n = len(prompts)
-        if n == 0:
+        if not prompts:
             return []
-        stops = row_stops or [params.stop] * n
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        out = []
-        for rows in sampler_sub_batches(prompts, params.max_new_tokens, self.sub_batch_bytes, self.model):
-            out += self._sample_sub_batch([prompts[i] for i in rows], params, gen, [stops[i] for i in rows])
+        stops = row_stops or [params.stop] * len(prompts)
+        gen, out = torch.Generator(device=self.device).manual_seed(seed), []
+        for rows in sampler_sub_batches(prompts, params.max_new_tokens, self.sub_batch_bytes,
+                                        self.model):  # as many rows as the memory plan allows
+            out += self._sample_sub_batch([prompts[i] for i in rows], params, gen,
+                                          [stops[i] for i in rows])
             self.sub_batches_run += 1
         return out
 
-    def _sample_sub_batch(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator,
-                          stops: list[tuple[str, ...]]) -> list[Sample]:
+    def _sample_sub_batch(self, prompts: list[list[int]], params: SamplingParams,
+                          gen: torch.Generator, stops: list[tuple[str, ...]]) -> list[Sample]:
         n, dev, M = len(prompts), self.device, params.max_new_tokens
         # 1. Prefill: every prompt's keys and values into a cache with room for M more
         #    positions a row, and the logits that predict each row's first new token.
-        logits, mask, cache = prefill_prompts(self.model, prompts, self.pad_id, extra=M, max_tokens=self.prefill_tokens)
+        logits, mask, cache = prefill_prompts(self.model, prompts, self.pad_id, extra=M,
+                                              max_tokens=self.prefill_tokens)
         logits = logits.float()  # [n, V]
         next_pos = mask.sum(-1, keepdim=True)  # [n, 1] position of the next token
 
@@ -155,8 +156,7 @@ class LLM:
         live = torch.arange(n, device=dev)  # [b]
         drawn = torch.zeros((n, M), dtype=torch.long, device=dev)  # [n, M]
         drawn_lp = torch.zeros((n, M), device=dev)  # [n, M]
-        new_ids: list[list[int]] = [[] for _ in range(n)]
-        new_lp: list[list[float]] = [[] for _ in range(n)]
+        new_ids, new_lp = [[] for _ in range(n)], [[] for _ in range(n)]  # drawn so far, per row
         finish = ["length"] * n
         eos, looked = set(self.eos_ids), 0
         for step in range(M):
@@ -168,8 +168,8 @@ class LLM:
             # 3. Stop rules, every check_every tokens.
             if step + 1 - looked == self.check_every or step == M - 1:
                 keep = self._end_finished_rows(live, drawn[live, looked:step + 1].tolist(),
-                                               drawn_lp[live, looked:step + 1].tolist(), new_ids, new_lp, finish,
-                                               stops, eos)
+                                               drawn_lp[live, looked:step + 1].tolist(),
+                                               new_ids, new_lp, finish, stops, eos)
                 looked = step + 1
                 if not keep or step == M - 1:
                     break
@@ -186,19 +186,18 @@ class LLM:
         return [Sample(ids=new_ids[i], logprobs=new_lp[i], text=self._text(new_ids[i], stops[i]),
                        finish=finish[i]) for i in range(n)]
 
-    def decode(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    def decode(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache):
         """Step 5: logits [b, V] for tok [b] at pos [b, 1], mask [b, S] (its last column is tok)."""
-        if self.model.config.model_type not in DECODE_STEP_MODELS or getattr(self.model.config,
-                                                                              "use_sliding_window", False):
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache,
-                             use_cache=True)  # a decoder decode_step does not write out: its own forward
-            return out.logits[:, -1, :]
-        if self.graphs:
-            return graph_step(self.model, tok, pos, mask, cache)  # the CUDA-graph block
-        return decode_step(self.model, tok, pos, mask, cache)
+        cfg = self.model.config
+        if cfg.model_type in DECODE_STEP_MODELS and not getattr(cfg, "use_sliding_window", False):
+            if not self.graphs:  # the CPU default: the decoder written out
+                return decode_step(self.model, tok, pos, mask, cache)
+            return graph_step(self.model, tok, pos, mask, cache)  # CUDA: the same step, as a graph
+        return self.model(tok[:, None], attention_mask=mask, position_ids=pos, cache=cache,
+                          use_cache=True).logits[:, -1, :]  # any other decoder: its own forward
 
-    def _end_finished_rows(self, live: torch.Tensor, ids: list[list[int]], lps: list[list[float]], new_ids, new_lp,
-                           finish, stops, eos: set[int]) -> list[int]:
+    def _end_finished_rows(self, live: torch.Tensor, ids: list[list[int]], lps: list[list[float]],
+                           new_ids, new_lp, finish, stops, eos: set[int]) -> list[int]:
         """Append each live row's tokens since the last look, up to the one that finishes it
         (EOS, or the token that completes a stop string); return the live rows that go on."""
         keep = []
@@ -237,7 +236,8 @@ class LLM:
                 text = text[: text.index(s)]
         return text
 
-    def choose(self, system: str, prompts: list[str], words: tuple[str, ...], batch_size: int = 32) -> list[str]:
+    def choose(self, system: str, prompts: list[str], words: tuple[str, ...],
+               batch_size: int = 32) -> list[str]:
         """For each prompt, the likelier of `words` as the first token of the reply (greedy,
         forced among the words' first tokens, as the verifier's verdict is): the judge's
         yes/no. A word whose first token another word took is never chosen."""
@@ -246,11 +246,11 @@ class LLM:
             ids = self.tok.encode(w, add_special_tokens=False)
             if ids:
                 first.setdefault(ids[0], w)
-        params = SamplingParams(temperature=0.0, max_new_tokens=1, first_tokens=tuple(sorted(first)))
+        params = SamplingParams(0.0, max_new_tokens=1, first_tokens=tuple(sorted(first)))  # greedy
         out = []
         for s in range(0, len(prompts), batch_size):  # bounded memory for long prompts at 7B
             ids = [self.chat_ids(system, p) for p in prompts[s:s + batch_size]]
-            out += [first.get(smp.ids[0], "") if smp.ids else "" for smp in self.sample(ids, params, seed=0)]
+            out += [first.get(x.ids[0], "") if x.ids else "" for x in self.sample(ids, params)]
         return out
 
 
@@ -291,9 +291,9 @@ def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     weight below its rounding step (~6e-8) adds nothing, so with a 152k vocabulary tens
     of thousands of tail tokens would get intervals of width zero and could never be
     drawn; float64 resolves weights down to ~1e-16 of the total."""
-    c = weights.cumsum(-1, dtype=torch.float64)  # [b, V] non-decreasing: adding w >= 0 never lowers a float sum
-    u = torch.rand(c.shape[0], 1, generator=gen, device=c.device, dtype=c.dtype) * c[:, -1:]  # [b, 1]
-    tok = torch.searchsorted(c, u, right=True)[:, 0]  # [b] how many c_i <= u: the first i with c_i > u
+    c = weights.cumsum(-1, dtype=torch.float64)  # [b, V] non-decreasing (w >= 0 never lowers a sum)
+    u = torch.rand(len(c), 1, generator=gen, device=c.device, dtype=c.dtype) * c[:, -1:]  # [b, 1]
+    tok = torch.searchsorted(c, u, right=True)[:, 0]  # [b] the first i with c_i > u: #{c_i <= u}
     # u rounded up to c_V (odds ~1e-16 a draw): no c_i exceeds it; u then sits at the end of the
     # last interval with weight. On a GPU the fix is applied to every row (it changes no other
     # row: there tok <= last already), so that no step waits for the device to ask "any?".
@@ -307,205 +307,205 @@ def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 # Step 1: prefill, shared text once, the rest in batches of similar length
 
 
-def prefill_prompts(model, prompts: list[list[int]], pad_id: int, extra: int = 0, max_tokens: int | None = None):
+def prefill_prompts(model, prompts: list[list[int]], pad_id: int, extra: int = 0,
+                    max_tokens: int | None = None):
     """The sampler's prefill: (logits [n, V] of each prompt's last token, mask [n, S], the
     cache, allocated once with room for `extra` more positions per row). Identical
     prompts (the G rollouts of a query at turn one) run once; their rows are copied
     afterwards and then draw their own tokens. max_tokens caps what one forward holds."""
-    dev = next(model.parameters()).device
     unique, src = unique_prompts(prompts)
     shareable = [len(p) - 1 for p in unique]  # a prompt's last token runs with its row: its logits
     cache = preallocated_cache(layout(unique, shareable).width + extra, len(prompts))
-    logits, mask = prefill(model, unique, pad_id, cache, logits_to_keep=1, shareable=shareable,
-                           max_tokens=max_tokens)
-    logits = logits[:, -1, :]  # [u, V]
+    logits, mask = prefill(model, unique, pad_id, cache, shareable, max_tokens)  # [u, V], [u, S]
     if len(unique) < len(prompts):
         for layer in cache.layers:
             layer.spread(src)  # [u, H, S, D] -> [n, H, S, D] in every layer
-        rows = torch.tensor(src, device=dev)  # [n]
+        rows = torch.tensor(src, device=logits.device)  # [n]
         logits, mask = logits[rows], mask[rows]  # [n, V], [n, S]
     return logits, mask, cache
 
 
-def prefill(model, seqs: list[list[int]], pad_id: int, cache, logits_to_keep: int,
-            shareable: list[int], hidden: bool = False, max_tokens: int | None = None):
-    """Run token sequences as one batch; return (logits [n, logits_to_keep, V], mask [n, S]).
-    hidden=True returns the last hidden states [n, logits_to_keep, d] instead (what the
-    output layer would turn into those logits: the trainer runs it piece by piece).
+def _plan(seqs: list[list[int]], shareable: list[int], pad_id: int, dev):
+    """How rows run: (their Layout, pre_mask [n, K]: which of the K positions a row finds
+    before its own rest are real tokens, the batches of rows whose rests run together).
 
     `shareable[r]` is how many leading tokens of row r may be computed with other rows:
-    the rest need their own logits (the sampler: the last token; the trainer: the last
+    the rest need their own outputs (the sampler: the last token; the trainer: the last
     prompt token and the action). support.batching.layout finds
       * the prefix ALL rows start with, P tokens: it runs once at batch 1;
       * shared groups, rows that share more than that (the G rollouts of a query share the
         question; the trainer's G actions share their whole prompt): each group's shared
         part runs once, all groups' parts as one left-padded batch behind the prefix;
       * each row's own rest, run behind its prefix and shared part, in batches of rows of
-        similar length (length_groups: padding is work too, a pad runs through every
-        layer like a token).
+        similar length (length_groups: a pad runs through every layer like a token).
     Each row is laid out [prefix (P) | pads, shared part | pads, own rest (L)], with its
     tokens in the last columns of each block. Pads are masked out and skipped by the
-    position ids, so each row computes exactly what it would alone.
-
-    `cache` (empty on entry) ends up holding every row's keys and values: the sampler's
-    preallocated one, written as each batch runs (_prefill_into). None for the trainer,
-    which only wants the outputs, and whose shared text is computed once with gradient.
-    max_tokens (the sampler under a memory plan) caps one forward at rows x positions,
-    by splitting batches into fewer rows and a single long row into pieces: it changes
-    which forwards run, not what each row computes."""
-    n, dev = len(seqs), next(model.parameters()).device
+    position ids, so each row computes exactly what it would alone."""
     row_layout = layout(seqs, shareable)
-    P, rest, shared_width = row_layout.prefix_len, row_layout.rest, row_layout.shared_width
-    shared_groups, shared_parts, group_of = row_layout.shared_groups, row_layout.shared_parts, row_layout.group_of
-    # Each row's mask over the positions it finds cached: [prefix | its group's shared part].
-    pre_mask = torch.ones((n, P + shared_width), dtype=torch.long, device=dev)  # 1 = real token
-    part_masks = left_padded(shared_parts + [[]], shared_width, pad_id, dev)[1]  # [groups+1, shared_width]
-    pre_mask[:, P:] = part_masks[group_of]  # [n, shared_width] each row's shared part (in no group: all pads)
-    batches = length_groups([len(s) for s in rest])
-    if max_tokens:
-        batches = [run for rows in batches
-                   for run in capped(rows, P + shared_width + max(len(rest[r]) for r in rows), max_tokens)]
+    P, width = row_layout.prefix_len, row_layout.shared_width
+    pre_mask = torch.ones((len(seqs), P + width), dtype=torch.long, device=dev)  # [n, K]
+    masks = left_padded(row_layout.shared_parts + [[]], width, pad_id, dev)[1]  # [groups+1, width]
+    pre_mask[:, P:] = masks[row_layout.group_of]  # its group's part (in none: all pads)
+    return row_layout, pre_mask, length_groups([len(s) for s in row_layout.rest])
 
+
+def _behind(rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int):
+    """Rows `rest` left-padded to run behind the K positions cached for them (pre_mask
+    [c, K]): ids [c, L] and their mask [c, L], L the longest rest; the mask over all the
+    keys [c, K+L]; each token's position in its own sequence [c, L], pads skipped."""
+    ids, mask = left_padded(rest, max(len(s) for s in rest), pad_id, pre_mask.device)
+    full = torch.cat([pre_mask, mask], dim=-1)  # [c, K+L]
+    return ids, mask, full, (full.cumsum(-1) - 1).clamp(min=0)[:, pre_mask.shape[1]:]
+
+
+def prefill(model, seqs: list[list[int]], pad_id: int, cache, shareable: list[int],
+            max_tokens: int | None = None):
+    """The sampler's prefill (its one caller: prefill_prompts): every row's keys and values
+    into `cache` (empty on entry), laid out by _plan; returns (logits [n, V] that predict
+    each row's next token, mask [n, S]). max_tokens (a memory plan) caps one forward at
+    rows x positions by splitting batches into fewer rows and long rows into pieces: which
+    forwards run changes, not what a row computes (its logits are in the last piece)."""
+    dev = next(model.parameters()).device
+    row_layout, pre_mask, batches = _plan(seqs, shareable, pad_id, dev)
+    P, K, rest = row_layout.prefix_len, pre_mask.shape[1], row_layout.rest
+    batches = [run for rows in batches  # with max_tokens, fewer rows a forward
+               for run in capped(rows, K + max(len(rest[r]) for r in rows), max_tokens)]
     # The prefix, once at batch 1. With a single batch and no groups, the batch runs in
     # the caller's cache itself, the prefix copied to its rows.
-    one_batch = len(batches) == 1 and not shared_groups
-    work = cache if one_batch and cache is not None else DynamicCache()
+    one_batch = len(batches) == 1 and not row_layout.shared_groups
+    work = cache if one_batch else DynamicCache()
+    if P and max_tokens and P > max_tokens:
+        _run_rest(model, [seqs[0][:P]], pre_mask.new_ones(1, 0), pad_id, work, max_tokens)
+    elif P:
+        model(torch.tensor([seqs[0][:P]], device=dev), cache=work, use_cache=True, logits_to_keep=1)
+    if not one_batch:
+        return _prefill_into(model, row_layout, pre_mask, batches, work, cache, pad_id, max_tokens)
     if P:
-        if max_tokens and P > max_tokens:
-            _run_rest(model, [seqs[0][:P]], pre_mask.new_ones(1, 0), pad_id, work, 1, max_tokens=max_tokens)
-        else:
-            prefix = torch.tensor([seqs[0][:P]], device=dev)  # [1, P]
-            model(input_ids=prefix, cache=work, use_cache=True, logits_to_keep=1)  # work: [1, H, P, D] a layer
-    if one_batch:
+        work.batch_repeat_interleave(len(seqs))  # [1, H, P, D] -> [n, H, P, D] in every layer
+    logits, rest_mask = _run_rest(model, rest, pre_mask, pad_id, work, max_tokens)  # [n, V], [n, L]
+    return logits, torch.cat([pre_mask, rest_mask], dim=-1)
+
+
+@torch.no_grad()
+def _prefill_into(model, row_layout, pre_mask, batches, work, cache, pad_id: int, max_tokens):
+    """prefill's layout written straight into the sampler's cache, allocated once at its
+    final size: first every row's [prefix | shared part], then each batch's rests right
+    after the batch has run, so that besides the final cache only one batch of shared
+    parts or of rests has its keys and values at a time (what the memory plan counts)."""
+    rest, P, K = row_layout.rest, row_layout.prefix_len, pre_mask.shape[1]  # K: before a rest
+    n, L, dev = len(rest), max(len(s) for s in rest), pre_mask.device
+    S, groups, parts = K + L, row_layout.shared_groups, row_layout.shared_parts
+    zeros = lambda t, rows, width: t.new_zeros(rows, t.shape[1], width, t.shape[3])  # masked pads
+    prefix = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, K - P)).expand(n, -1, -1, -1)  # [n, H, K, D]
+    for i, src in enumerate(work.layers if P else []):  # every row: the prefix, zeros for a part
+        cache_layer(cache, i).put(slice(None), 0, prefix(src.keys), prefix(src.values), n, S)
+    for chunk in capped(list(range(len(groups))), K, max_tokens):  # the groups' shared parts
+        shared_cache = DynamicCache()
+        for i, src in enumerate(work.layers):  # the prefix, copied to every group of the chunk
+            shared_cache.update(src.keys[:1, :, :P].expand(len(chunk), -1, -1, -1),
+                                src.values[:1, :, :P].expand(len(chunk), -1, -1, -1), i)
+        _run_rest(model, [parts[g] for g in chunk], pre_mask.new_ones(len(chunk), P), pad_id,
+                  shared_cache, max_tokens)  # [c, H, P+width_c, D] a layer
+        for i, src in enumerate(shared_cache.layers):
+            layer = cache_layer(cache, i)
+            k, v = src.keys[:, :, P:], src.values[:, :, P:]  # [c, H, width_c, D] the shared parts
+            if layer.k_live is None:  # no prefix: zeros first, as masked pads before short parts
+                layer.put(slice(None), 0, zeros(k, n, K), zeros(v, n, K), n, S)
+            for j, g in enumerate(chunk):  # right-aligned in [P, K), like one batch padded to K - P
+                rows = torch.tensor(groups[g][0], device=dev)
+                layer.put(rows, K - k.shape[2], k[j:j + 1].expand(len(rows), -1, -1, -1),
+                          v[j:j + 1].expand(len(rows), -1, -1, -1), n, S)
+        del shared_cache
+    logits = []
+    for rows in batches:
+        idx = torch.tensor(rows, device=dev)  # [c]
+        batch_cache = DynamicCache()
+        for i, layer in enumerate(cache.layers if K else []):  # what the rows find: [c, H, K, D]
+            batch_cache.update(layer.k_live[idx, :, :K], layer.v_live[idx, :, :K], i)
+        logits.append(_run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, batch_cache,
+                                max_tokens)[0])  # [c, V]
+        Lc = max(len(rest[r]) for r in rows)  # the batch's longest rest
+        for i, src in enumerate(batch_cache.layers):  # [cached | zeros as extra pads | pads, rest]
+            layer = cache_layer(cache, i)
+            k, v = src.keys[:, :, K:], src.values[:, :, K:]  # [c, H, L_c, D]
+            if Lc < L:
+                layer.put(idx, K, zeros(k, len(rows), L - Lc), zeros(v, len(rows), L - Lc), n, S)
+            layer.put(idx, S - Lc, k, v, n, S)
+        del batch_cache
+    back = torch.argsort(torch.tensor(sum(batches, []), device=dev))  # batch order -> row order
+    return torch.cat(logits)[back], torch.cat([pre_mask, left_padded(rest, L, pad_id, dev)[1]], -1)
+
+
+def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int, cache,
+              max_tokens: int | None = None):
+    """The sampler's forward of `rest` behind the K positions in `cache` (_behind): logits
+    [c, V] that predict each row's next token, the mask [c, L] of the rest. With max_tokens,
+    in pieces of max_tokens // c columns (each attends to the cache and the pieces before)."""
+    ids, mask, full, pos = _behind(rest, pre_mask, pad_id)  # [c, L], [c, L], [c, K+L], [c, L]
+    K, L = pre_mask.shape[1], ids.shape[1]
+    piece = max(1, max_tokens // len(rest)) if max_tokens else L  # columns per forward
+    for start in range(0, L, piece):
+        end = min(L, start + piece)
+        logits = model(input_ids=ids[:, start:end], attention_mask=full[:, :K + end], cache=cache,
+                       position_ids=pos[:, start:end], use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1], mask  # [c, V]: the last piece's last column is every row's last token
+
+
+# ----------------------------------------------------------------------------------------
+# The trainer's forward: the prefill's layout, with gradient, and no cache kept
+
+
+def last_hidden(model, seqs: list[list[int]], pad_id: int, keep: int, shareable: list[int]):
+    """The decoder's last hidden states [n, keep, d], at each row's last `keep` positions,
+    with gradient (its one caller: flow_grpo.token_logprobs, which runs the output layer
+    on them piece by piece, for log-probs and entropy). Rows are laid out as the sampler's
+    prefill lays them out (_plan); the text they share is computed once."""
+    n, dev = len(seqs), next(model.parameters()).device
+    row_layout, pre_mask, batches = _plan(seqs, shareable, pad_id, dev)
+    rest, parts, P = row_layout.rest, row_layout.shared_parts, row_layout.prefix_len
+    work = DynamicCache()
+    if P:  # the prefix, once at batch 1 (base_model: the decoder without its output layer)
+        model.base_model(torch.tensor([seqs[0][:P]], device=dev), cache=work, use_cache=True)
+    if len(batches) == 1 and not parts:  # one batch, behind the prefix copied to its rows
         if P:
             work.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
-        logits, suffix_mask = _run_rest(model, rest, pre_mask, pad_id, work, logits_to_keep, hidden, max_tokens)
-        return logits, torch.cat([pre_mask, suffix_mask], dim=-1)
-    if cache is not None:
-        return _prefill_into(model, row_layout, pre_mask, batches, work, cache, pad_id, logits_to_keep, hidden,
-                             max_tokens)
-    # The trainer: keys and values each row finds before its rest: one entry per shared
-    # group, and a last one (prefix, then shared_width pads) for rows in no group. Per
-    # layer: ([groups+1, H, P+shared_width, D], same); without shared groups that is the
-    # prefix alone, [1, H, P, D], and every row's entry is 0.
-    cached_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []  # [1, H, P, D] each
-    if shared_groups:
+        return _hidden_rest(model, rest, pre_mask, pad_id, work, keep)  # [n, keep, d]
+    # Keys and values a row finds before its rest, a layer: [groups+1, H, P+width, D] each,
+    # a shared group's, then the prefix and pads for rows in none (no groups: the prefix).
+    cached_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []
+    if parts:
         shared_cache = DynamicCache()
         for i, (k, v) in enumerate(cached_kv):  # the prefix, copied to every shared group
-            shared_cache.update(k.expand(len(shared_parts), -1, -1, -1), v.expand(len(shared_parts), -1, -1, -1), i)
-        _run_rest(model, shared_parts, pre_mask.new_ones(len(shared_parts), P), pad_id, shared_cache, 1,
-                  hidden)  # [groups, H, P+shared_width, D] a layer
-        no_group = lambda t: F.pad(t[:1, :, :P], (0, 0, 0, shared_width))  # [1, H, P+shared_width, D]: prefix, zeros
-        cached_kv = [(torch.cat([layer.keys, no_group(layer.keys)]), torch.cat([layer.values, no_group(layer.values)]))
-                     for layer in shared_cache.layers]
+            shared_cache.update(k.expand(len(parts), -1, -1, -1),
+                                v.expand(len(parts), -1, -1, -1), i)
+        _hidden_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, shared_cache, 1)
+        entries = lambda t: torch.cat([t, F.pad(t[:1, :, :P], (0, 0, 0, row_layout.shared_width))])
+        cached_kv = [(entries(layer.keys), entries(layer.values)) for layer in shared_cache.layers]
     # Rows of one shared group read the same entry. k[idx] with repeated indices would do,
     # but on a CPU with more than one thread its backward sums those rows' gradients with
     # atomic float adds, in whatever order the threads get there, so the same step would
     # give other weights in the 7th digit from run to run. stack's backward hands each
     # row its own slice, and autograd adds the slices of one entry in a fixed order.
-    cached_kv = [(k.unbind(0), v.unbind(0)) for k, v in cached_kv]  # per layer: groups+1 entries [H, P+shared_width, D]
-    logits = []
+    cached_kv = [(k.unbind(0), v.unbind(0)) for k, v in cached_kv]  # a layer: [H, P+width, D] each
+    hidden = []
     for rows in batches:
         batch_cache = DynamicCache()
-        for i, (k, v) in enumerate(cached_kv):  # what the batch's rows find cached: [c, H, P+shared_width, D]
-            batch_cache.update(torch.stack([k[group_of[r]] for r in rows]),
-                               torch.stack([v[group_of[r]] for r in rows]), i)
-        out, _ = _run_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id, batch_cache,
-                           logits_to_keep, hidden)  # [c, k<=keep, V]
-        logits.append(F.pad(out, (0, 0, logits_to_keep - out.shape[1], 0)))  # [c, keep, V]
-    back = torch.argsort(torch.tensor([r for rows in batches for r in rows], device=dev))  # batch order -> row order
-    L = max(len(s) for s in rest)
-    suffix_mask = left_padded(rest, L, pad_id, dev)[1]  # [n, L] each row's rest, right-aligned
-    return torch.cat(logits)[back], torch.cat([pre_mask, suffix_mask], dim=-1)
+        for i, (k, v) in enumerate(cached_kv):  # what the batch's rows find: [c, H, P+width, D]
+            batch_cache.update(torch.stack([k[row_layout.group_of[r]] for r in rows]),
+                               torch.stack([v[row_layout.group_of[r]] for r in rows]), i)
+        hidden.append(_hidden_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id,
+                                   batch_cache, keep))  # [c, keep, d]
+    back = torch.argsort(torch.tensor(sum(batches, []), device=dev))  # batch order -> row order
+    return torch.cat(hidden)[back]
 
 
-@torch.no_grad()
-def _prefill_into(model, row_layout, pre_mask, batches, work, cache, pad_id: int, logits_to_keep: int,
-                  hidden: bool, max_tokens: int | None):
-    """prefill's layout written straight into the sampler's cache, allocated once at its
-    final size: first every row's [prefix | shared part], then each batch's rests right
-    after the batch has run, so that besides the final cache only one batch of shared
-    parts or of rests has its keys and values at a time (what the memory plan counts)."""
-    n, dev = len(row_layout.rest), pre_mask.device
-    P, shared_width = row_layout.prefix_len, row_layout.shared_width
-    K = P + shared_width  # the positions before each row's rest
-    L = max(len(s) for s in row_layout.rest)
-    S = K + L
-    if P:  # every row: the prefix, then zeros where a shared part would go (masked pads)
-        for i, src in enumerate(work.layers):
-            k, v = src.keys[:1, :, :P], src.values[:1, :, :P]  # [1, H, P, D]
-            layer = cache_layer(cache, i)
-            layer.put(slice(None), 0, k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), n, S)
-            if shared_width:
-                layer.put(slice(None), P, k.new_zeros(n, k.shape[1], shared_width, k.shape[3]),
-                          v.new_zeros(n, v.shape[1], shared_width, v.shape[3]), n, S)
-    if row_layout.shared_groups:
-        all_groups = list(range(len(row_layout.shared_groups)))
-        for chunk in (capped(all_groups, K, max_tokens) if max_tokens else [all_groups]):
-            shared_cache = DynamicCache()
-            for i, src in enumerate(work.layers):  # the prefix, copied to every shared group of the chunk
-                shared_cache.update(src.keys[:1, :, :P].expand(len(chunk), -1, -1, -1),
-                                    src.values[:1, :, :P].expand(len(chunk), -1, -1, -1), i)
-            _run_rest(model, [row_layout.shared_parts[g] for g in chunk], pre_mask.new_ones(len(chunk), P), pad_id,
-                      shared_cache, 1, hidden, max_tokens)  # [c, H, P+width_c, D] a layer
-            for i, src in enumerate(shared_cache.layers):
-                layer = cache_layer(cache, i)
-                k, v = src.keys[:, :, P:], src.values[:, :, P:]  # [c, H, width_c, D] the shared parts
-                if layer.k_live is None:  # no prefix: zeros first, as masked pads before short parts
-                    layer.put(slice(None), 0, k.new_zeros(n, k.shape[1], shared_width, k.shape[3]),
-                              v.new_zeros(n, v.shape[1], shared_width, v.shape[3]), n, S)
-                at = K - k.shape[2]  # right-aligned in [P, K), like one batch padded to shared_width
-                for j, g in enumerate(chunk):
-                    rows = torch.tensor(row_layout.shared_groups[g][0], device=dev)
-                    layer.put(rows, at, k[j:j + 1].expand(len(rows), -1, -1, -1),
-                              v[j:j + 1].expand(len(rows), -1, -1, -1), n, S)
-            del shared_cache
-    logits = []
-    for rows in batches:
-        idx = torch.tensor(rows, device=dev)  # [c]
-        batch_cache = DynamicCache()
-        for i, layer in enumerate(cache.layers if K else []):  # what the batch's rows find cached: [c, H, K, D]
-            batch_cache.update(layer.k_live[idx, :, :K], layer.v_live[idx, :, :K], i)
-        out, rest_mask = _run_rest(model, [row_layout.rest[r] for r in rows], pre_mask[rows], pad_id, batch_cache,
-                                   logits_to_keep, hidden, max_tokens)  # [c, k<=keep, V], [c, L_c]
-        logits.append(F.pad(out, (0, 0, logits_to_keep - out.shape[1], 0)))  # [c, keep, V]
-        Lc = rest_mask.shape[1]  # the batch's longest rest
-        for i, src in enumerate(batch_cache.layers):  # [cached | zeros as extra pads | batch's pads, rest]
-            layer = cache_layer(cache, i)
-            k, v = src.keys[:, :, K:], src.values[:, :, K:]  # [c, H, L_c, D]
-            if Lc < L:
-                layer.put(idx, K, k.new_zeros(len(rows), k.shape[1], L - Lc, k.shape[3]),
-                          v.new_zeros(len(rows), v.shape[1], L - Lc, v.shape[3]), n, S)
-            layer.put(idx, S - Lc, k, v, n, S)
-        del batch_cache
-    back = torch.argsort(torch.tensor([r for rows in batches for r in rows], device=dev))  # batch order -> row order
-    suffix_mask = left_padded(row_layout.rest, L, pad_id, dev)[1]  # [n, L]
-    return torch.cat(logits)[back], torch.cat([pre_mask, suffix_mask], dim=-1)
-
-
-def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int, cache, logits_to_keep: int,
-              hidden: bool = False, max_tokens: int | None = None):
-    """Left-padded forward of `rest` behind the K positions already in `cache` (pre_mask
-    [c, K]: which of them are real tokens): logits [c, min(logits_to_keep, L), V] (hidden:
-    the last hidden states [c, min(logits_to_keep, L), d]) and the mask [c, L] of the rest,
-    for L the longest. With max_tokens, columns run in pieces of at most max_tokens // c
-    tokens a row (each piece attends to the cache and the pieces before it)."""
-    ids, mask = left_padded(rest, max(len(s) for s in rest), pad_id, next(model.parameters()).device)  # [c, L] each
-    K, L = pre_mask.shape[1], ids.shape[1]
-    full = torch.cat([pre_mask, mask], dim=-1)  # [c, K+L]
-    pos = (full.cumsum(-1) - 1).clamp(min=0)[:, K:]  # [c, L] each token's position in its sequence
-    piece = max(1, max_tokens // len(rest)) if max_tokens else L  # columns per forward
-    for start in range(0, L, piece):
-        end = min(L, start + piece)
-        keep = min(logits_to_keep, end - start)
-        if hidden:  # the decoder without its output layer (Llama, Qwen2, GPT-2 all expose it as base_model)
-            out = model.base_model(input_ids=ids[:, start:end], attention_mask=full[:, :K + end],
-                                   position_ids=pos[:, start:end], cache=cache, use_cache=True)
-            last = out.last_hidden_state[:, -keep:]
-        else:
-            last = model(input_ids=ids[:, start:end], attention_mask=full[:, :K + end], position_ids=pos[:, start:end],
-                         cache=cache, use_cache=True, logits_to_keep=keep).logits
-    return last, mask
+def _hidden_rest(model, rest: list[list[int]], pre_mask, pad_id: int, cache, keep: int):
+    """The trainer's forward of `rest` behind the K positions in `cache` (_behind), in one
+    piece: the last hidden states [c, keep, d], zeros in front of a rest shorter than keep."""
+    ids, _, full, pos = _behind(rest, pre_mask, pad_id)  # [c, L], [c, K+L], [c, L]
+    h = model.base_model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache,
+                         use_cache=True).last_hidden_state[:, -keep:]  # [c, min(keep, L), d]
+    return F.pad(h, (0, 0, keep - h.shape[1], 0))  # [c, keep, d]
 
 
 # ----------------------------------------------------------------------------------------
@@ -518,7 +518,7 @@ def _run_rest(model, rest: list[list[int]], pre_mask: torch.Tensor, pad_id: int,
 DECODE_STEP_MODELS = ("llama", "qwen2")
 
 
-def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache):
     """One new token per row through a Llama or Qwen2 decoder: logits [b, V].
 
     tok [b] the previous token of each row, pos [b, 1] its position, mask [b, S] the
@@ -537,7 +537,7 @@ def decode_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
     return _decode_layers(model, tok, pos, bias, lambda i, k, v: cache.update(k, v, i))
 
 
-def _decode_layers(model, tok: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, write_kv) -> torch.Tensor:
+def _decode_layers(model, tok: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, write_kv):
     """The arithmetic of one decode step, shared by decode_step and the graph (GraphStep),
     so that both run the same modules in the same order: logits [b, V]. bias [b, 1, 1, S]
     is 0 where a row may attend and the dtype's minimum elsewhere; write_kv(i, k, v) stores
@@ -557,7 +557,7 @@ def _decode_layers(model, tok: torch.Tensor, pos: torch.Tensor, bias: torch.Tens
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys, values = write_kv(i, k, v)  # [b, kv, S, D]: the new position written in place
         q = q.view(b, kv_heads, -1, D)  # [b, kv, g, D]: the g query heads that share each KV head
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=attn.scaling)  # [b, kv, g, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=attn.scaling)
         x = x + attn.o_proj(out.reshape(b, -1))  # [b, h]
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
@@ -606,14 +606,14 @@ class GraphStep:
         first = layers[0]
         if any(layer.k_live.data_ptr() != layer.k_buffer.data_ptr() for layer in layers):
             raise RuntimeError("the live rows must be the first rows of the cache's buffers")
-        dev, capacity, written = first.k_buffer.device, first.k_buffer.shape[2], first.length
+        dev, C, written = first.k_buffer.device, first.k_buffer.shape[2], first.length
         dtype = model.model.embed_tokens.weight.dtype  # the residual stream's, as in decode_step
         self.model, self.rows, self.min = model, rows, torch.finfo(dtype).min
-        self.buffers = [(layer.k_buffer, layer.v_buffer) for layer in layers]  # to notice a move (_move)
+        self.buffers = [(layer.k_buffer, layer.v_buffer) for layer in layers]  # to notice grow()
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)  # [B] each row's previous token
         self.pos = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # [B, 1] its position
-        self.bias = torch.full((rows, 1, 1, capacity), self.min, dtype=dtype, device=dev)  # [B, 1, 1, C] 0 = attend
-        self.col = torch.zeros(1, dtype=torch.long, device=dev)  # [1] the column the new position goes to
+        self.bias = torch.full((rows, 1, 1, C), self.min, dtype=dtype, device=dev)  # [B, 1, 1, C]
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)  # [1] the new position's column
         self.k = [k[:rows] for k, _ in self.buffers]  # [B, kv, C, D] views: fixed addresses
         self.v = [v[:rows] for _, v in self.buffers]
         for k, v in zip(self.k, self.v):  # not written yet: finite (see above)
@@ -624,8 +624,8 @@ class GraphStep:
 
     def _step(self) -> torch.Tensor:
         """_decode_layers on the static buffers: logits [B, V]."""
-        def write_kv(i, k, v):  # k, v [B, kv, 1, D] into column col; attend over all C columns
-            return self.k[i].index_copy_(2, self.col, k), self.v[i].index_copy_(2, self.col, v)  # [B, kv, C, D]
+        def write_kv(i, k, v):  # k, v [B, kv, 1, D] into column col; out all C: [B, kv, C, D]
+            return self.k[i].index_copy_(2, self.col, k), self.v[i].index_copy_(2, self.col, v)
         return _decode_layers(self.model, self.tok, self.pos, self.bias, write_kv)
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -662,29 +662,28 @@ class GraphStep:
             self.graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(self.graph):
-                    self.logits = self._step()  # [B, V] in the graph's own memory pool, rewritten by each replay
-            except RuntimeError as err:  # out of memory included: the plan counts the pool (plan.guard)
+                    self.logits = self._step()  # [B, V] in the graph's pool; replays rewrite it
+            except RuntimeError as err:  # out of memory too: the plan counts the pool (plan.guard)
                 self.graph = None
-                raise CaptureError(f"capturing the decode step of {self.rows} rows as a CUDA graph failed "
-                                   f"({type(err).__name__}: {err})") from err
+                raise CaptureError(f"capturing the decode step of {self.rows} rows as a CUDA graph "
+                                   f"failed ({type(err).__name__}: {err})") from err
 
 
-def graph_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+def graph_step(model, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache):
     """decode_step through the cache's GraphStep (a CUDA graph on a GPU, the same block run
     eagerly on a CPU): logits [b, V]. `cache` is the sampler's (prefill_prompts's)."""
     layers = cache.layers
     b, S = mask.shape  # S - 1 positions cached; the new one goes to column S - 1
     if layers[0].length != S - 1:
         raise ValueError(f"the cache holds {layers[0].length} positions, the mask {S - 1}")
-    if S > layers[0].k_buffer.shape[2]:  # more positions than planned: grow (new buffers: a new capture below)
+    if S > layers[0].k_buffer.shape[2]:  # more than planned: grow (new buffers, so a new capture)
         for layer in layers:
-            layer._move(2 * S)
+            layer.grow(2 * S)
     step = getattr(cache, "graph_step", None)
     if (step is None or not b <= step.rows < 2 * b  # first step, or half the rows or fewer left
-            or any(layer.k_buffer is not k for layer, (k, _) in zip(layers, step.buffers))):  # moved
+            or any(layer.k_buffer is not k for layer, (k, _) in zip(layers, step.buffers))):  # grew
         step = cache.graph_step = GraphStep(model, layers, b)
     logits = step(tok, pos, mask)  # [b, V]
-    for layer in layers:  # one position more, as cache.update leaves it (batch_select_indices reads length)
-        layer.length = S
-        layer._views()
+    for layer in layers:  # one position more, as cache.update leaves it
+        layer.set_length(S)
     return logits

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import SamplingParams, prefill
+from engine import SamplingParams, last_hidden
 from support.registry import Registry
 from support.ranks import SINGLE
 
@@ -277,7 +277,7 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     Returns (logp [n, La], entropy [n, La] of that distribution, no gradient, mask [n, La]:
     1 on action tokens), La the longest action, row i's action in its LAST |a_i| columns.
 
-    Every row is prompt + action. engine.prefill runs them through the decoder as the
+    Every row is prompt + action. engine.last_hidden runs them through the decoder as the
     sampler's prefill does, so text the rows share runs once (the module's instructions
     for every row, the whole prompt for the G actions sampled from it), and returns the
     hidden state at each position that predicts an action token. The output layer then
@@ -295,8 +295,8 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
     r = torch.arange(n, device=dev)  # [n]
     c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
     # The logits at position p predict token p+1: the last La+1 positions cover every action.
-    h, _ = prefill(model, [row.prompt_ids + row.action_ids for row in rows], pad_id, None, La + 1,
-                   [len(row.prompt_ids) - 1 for row in rows], hidden=True)
+    h = last_hidden(model, [row.prompt_ids + row.action_ids for row in rows], pad_id, La + 1,
+                    [len(row.prompt_ids) - 1 for row in rows])
     h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
     scored = mask.bool()  # [n, La] the positions scored at temperature T (token 0 below when `first`)
     if first:

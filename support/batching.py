@@ -1,10 +1,10 @@
 """How rows become batches: left padding, the text rows share, and which rows run together.
 
-Planning only, no model: engine.prefill (the sampler's and the trainer's) asks these
-functions which tokens every row shares, which groups of rows share more, and how to
-split the rest into batches of similar length, and then runs the forwards. Left padding
-puts every row's last token in the last column, so the next token of every row lands in
-the same new column.
+Planning only, no model: the engine (the sampler's prefill and the trainer's forward,
+through engine._plan) asks these functions which tokens every row shares, which groups
+of rows share more, and how to split the rest into batches of similar length, and then
+runs the forwards. Left padding puts every row's last token in the last column, so the
+next token of every row lands in the same new column.
 """
 
 from dataclasses import dataclass
@@ -43,7 +43,7 @@ def unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]
 
 @dataclass
 class Layout:
-    """How prefill lays out its rows (see there): each row holds
+    """How the engine lays out its rows (engine._plan): each row holds
     [prefix | pads, its group's shared part | pads, its own rest], right-aligned in each
     block, so a row is width = prefix_len + shared_width + longest rest positions."""
     prefix_len: int  # P: the tokens every row starts with, run once at batch 1 (0: none)
@@ -73,9 +73,10 @@ def layout(seqs: list[list[int]], shareable: list[int]) -> Layout:
                   shared_width=max(map(len, parts), default=0))
 
 
-def capped(rows: list[int], width: int, max_tokens: int) -> list[list[int]]:
-    """`rows` in runs of at most max_tokens // width rows (at least one)."""
-    per_run = max(1, max_tokens // max(width, 1))
+def capped(rows: list[int], width: int, max_tokens: int | None) -> list[list[int]]:
+    """`rows` in runs of at most max_tokens // width rows (at least one); without
+    max_tokens, all in one run."""
+    per_run = max(1, max_tokens // max(width, 1) if max_tokens else len(rows))
     return [rows[i:i + per_run] for i in range(0, len(rows), per_run)]
 
 

@@ -1,5 +1,5 @@
 """The sampler's KV cache: one buffer per layer, allocated once at its final size and
-written in place (engine.py's step 2). Beneath the method: how keys and values are
+written in place (engine.py's steps 1 and 5). Beneath the method: how keys and values are
 stored changes no number the sampler computes, only how often memory is copied.
 
 transformers' DynamicLayer appends each new token with torch.cat, which copies the
@@ -73,6 +73,17 @@ class PreallocatedLayer(DynamicLayer):
             self._allocate(n_rows, keys, values, length)
         self.k_live[rows, :, start:start + keys.shape[2]] = keys
         self.v_live[rows, :, start:start + values.shape[2]] = values
+        self.length = length
+        self._views()
+
+    def grow(self, capacity: int) -> None:
+        """New buffers of `capacity` positions, the cached ones copied: more positions than
+        planned (the CUDA-graph decode step, which writes into the buffers itself)."""
+        self._move(capacity)
+
+    def set_length(self, length: int) -> None:
+        """The first `length` positions now hold keys and values (the CUDA-graph decode step
+        wrote them into the buffers itself): the views, and batch_select_indices, see them."""
         self.length = length
         self._views()
 

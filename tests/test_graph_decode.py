@@ -224,9 +224,9 @@ def test_growth_and_dropped_rows_at_the_step_level(tiny_llm, dtype):
     setups, tol = GraphStep.setups, 1e-5 if dtype == torch.float32 else 2 * 2 ** -7
     with torch.no_grad():
         for cache in caches.values():
-            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, shareable=[8] * len(prompts))
         planned = caches["static"].layers[0].k_buffer.shape[2]
-        tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+        tok, pos = logits.argmax(-1), mask.sum(-1, keepdim=True)
         for step in range(40):  # 40 > the capacity: both caches grow
             if step in (10, 20):  # drop rows 1 and 3 (4 -> 2 rows: set up again), then row 0
                 keep = torch.tensor([0, 2] if step == 10 else [1])

@@ -211,9 +211,9 @@ def test_preallocated_cache_equals_dynamic_cache(tiny_llm):
     outs = []
     for cache in (DynamicCache(), preallocated_cache()):
         with torch.no_grad():
-            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
-            steps = [logits[:, -1]]
-            tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, shareable=[8] * len(prompts))
+            steps = [logits]
+            tok, pos = logits.argmax(-1), mask.sum(-1, keepdim=True)
             for step in range(40):  # 40 > the first capacity (2 x the prefill length): it grows
                 if step in (10, 20):  # drop rows 1 and 3, then the first of the two left
                     keep = torch.tensor([0, 2] if step == 10 else [1])
@@ -259,8 +259,8 @@ def test_decode_step_equals_the_hf_forward(tiny_llm, arch):
     caches = {"ours": preallocated_cache(), "hf": preallocated_cache()}
     with torch.no_grad():
         for name, cache in caches.items():
-            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable=[8] * len(prompts))
-        tok, pos = logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+            logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, shareable=[8] * len(prompts))
+        tok, pos = logits.argmax(-1), mask.sum(-1, keepdim=True)
         for _ in range(6):
             mask = torch.cat([mask, torch.ones_like(pos)], -1)
             ours = decode_step(model, tok, pos, mask, caches["ours"])  # [b, V]
@@ -364,7 +364,7 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, shared):
     (and, with `shared`, rows that share more run that part once per shared group); the
     logits, the laid-out cache (decoded from for 5 more steps) and the gradient are those
     of the one left-padded batch where each row computes all of its own tokens."""
-    from engine import decode_step, prefill
+    from engine import decode_step, last_hidden, prefill
     from support import batching
     from support.batching import length_groups, shared_text_groups
     from support.kv_cache import preallocated_cache
@@ -395,15 +395,15 @@ def test_grouped_prefill_equals_one_batch(tiny_llm, monkeypatch, shared):
             tokens.clear()
             with torch.no_grad():
                 cache = preallocated_cache()
-                logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, 1, shareable)
-                steps, tok, pos = [logits[:, -1]], logits[:, -1].argmax(-1), mask.sum(-1, keepdim=True)
+                logits, mask = prefill(model, prompts, tiny_llm.pad_id, cache, shareable)
+                steps, tok, pos = [logits], logits.argmax(-1), mask.sum(-1, keepdim=True)
                 for _ in range(5):
                     mask = torch.cat([mask, torch.ones_like(pos)], -1)
                     steps.append(decode_step(model, tok, pos, mask, cache))  # [b, V]
                     tok, pos = steps[-1].argmax(-1), pos + 1
             prefill_tokens = sum(tokens[:len(tokens) - 5])  # the 5 decode steps ran 5 x 5 tokens
             model.zero_grad()
-            wide, _ = prefill(model, prompts, tiny_llm.pad_id, None, 6, shareable)  # [5, 6, V]: the trainer's call
+            wide = model.lm_head(last_hidden(model, prompts, tiny_llm.pad_id, 6, shareable))  # [5, 6, V]
             wide = wide * real[:, :, None]  # positions a row did not compute itself hold no prediction
             wide.logsumexp(-1).sum().backward()
             runs[name] = (steps, wide.detach(), [p.grad.clone() for p in model.parameters()], prefill_tokens)
@@ -582,6 +582,34 @@ def test_looking_every_8_tokens_equals_every_token(tiny_llm):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
             finishes.add(a.finish)
     assert finishes == {"eos", "stop", "length"}
+
+
+def test_prefill_pieces_cannot_drop_positions(tiny_llm):
+    """A prefill that kept k positions, run in pieces of max_tokens // rows columns, used to
+    return the last piece's columns only, silently (a 15-token row, k = 6, max_tokens = 5:
+    [1, 5, d]). The sampler's prefill keeps one position, each row's last, which the last
+    piece holds however narrow the pieces; the trainer's forward keeps k positions in one
+    piece (it takes no max_tokens), zeros in front of a row shorter than k."""
+    import inspect
+
+    from engine import last_hidden, prefill
+    from support.kv_cache import preallocated_cache
+
+    model, pad = tiny_llm.model, tiny_llm.pad_id
+    rows = [list(range(5, 20)), list(range(40, 47))]  # 15 and 7 tokens, nothing shared
+    with torch.no_grad():
+        alone = [model.base_model(torch.tensor([r])).last_hidden_state[0] for r in rows]  # [len, d]
+        for cap in (5, 1, None):  # one row a forward in pieces of 5 and 1 columns; one batch
+            logits, mask = prefill(model, rows, pad, preallocated_cache(), [len(r) - 1 for r in rows], cap)
+            assert logits.shape == (2, model.config.vocab_size) and mask.shape == (2, 15)
+            for r, h in enumerate(alone):
+                assert torch.allclose(logits[r], model.lm_head(h[-1]), atol=1e-5), cap
+        hidden = last_hidden(model, rows[:1], pad, 6, [14])  # [1, 6, d]
+        short = last_hidden(model, [rows[1][:4]], pad, 6, [3])  # [1, 6, d]: 2 zeros, 4 positions
+    assert "max_tokens" not in inspect.signature(last_hidden).parameters
+    assert hidden.shape == short.shape == (1, 6, alone[0].shape[-1])
+    assert torch.allclose(hidden[0], alone[0][-6:], atol=1e-5)
+    assert (short[0, :2] == 0).all() and torch.allclose(short[0, 2:], alone[1][:4], atol=1e-5)
 
 
 @pytest.mark.parametrize("cap", [None, 40])
