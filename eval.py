@@ -60,7 +60,7 @@ from support.models import load_model, planner_name
 from support.provenance import claim, judge_label, made_by
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
-from support.report.page import write_report
+from support.report.page import table_markdown, write_report
 from support.report.stats import wilson
 from support.seeds import derive_seed
 from support.text import plan_of
@@ -252,28 +252,6 @@ def paper_suite(args, cfg: dict, out: Path, agent, judge: Judge, world) -> int:
     if (run / "config.json").exists() and out == run / "eval" / "paper":  # a training run's folder: its report
         write_report(run)
     return 0
-
-
-def table_markdown(table: dict) -> str:
-    """table.json as a Markdown table: one row per benchmark, ours beside the paper's."""
-    def cell(p):
-        return f"{100 * p['accuracy']:.1f} [{100 * p['ci95'][0]:.0f}, {100 * p['ci95'][1]:.0f}]" if p else "-"
-
-    lines = ["| benchmark | n | frozen [95% CI] | trained [95% CI] | gain | tool calls / item | infra | time (s) "
-             "| paper untrained | paper trained | paper gain |", "|---" * 11 + "|"]
-    for b, (paper_untrained, paper_trained) in PAPER_TABLE_1.items():  # the paper's order
-        r = table["benchmarks"].get(b)
-        paper = f"{paper_untrained} | {paper_trained} | {paper_trained - paper_untrained:+.1f} |"
-        if r is None:
-            lines.append(f"| {b} | absent | | | | | | | {paper}")
-            continue
-        f, t = r["planners"].get("frozen"), r["planners"].get("trained")
-        both = [p for p in (f, t) if p]
-        gain = f"{100 * (t['accuracy'] - f['accuracy']):+.1f}" if f and t else "-"
-        per = lambda key, form: " / ".join(form.format(p[key]) for p in both)  # noqa: E731
-        lines.append(f"| {b} | {r['n']} | {cell(f)} | {cell(t)} | {gain} | {per('tool_calls_per_item', '{:.2f}')} | "
-                     f"{per('infra_failures', '{}')} | {per('seconds', '{:.1f}')} | {paper}")
-    return "\n".join(lines) + "\n\n" + "\n\n".join(table["notes"]) + "\n"
 
 
 def build_agent(cfg: dict, model_path: str | None = None, world=ranks.SINGLE):

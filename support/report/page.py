@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from support.datasets import read_jsonl
+from support.datasets import PAPER_TABLE_1, read_jsonl
 from support.report.blocks import (INTERVALS_NOTE, OKABE, RUN_COLORS, SUB, asset, change_cells, clip, count_cell,
                                    duration, fmt, guarded, header_warnings, note, page_head, provenance_line,
                                    provenance_rows, tool_colors, tool_shift_figure, write_page)
@@ -385,9 +385,31 @@ def section_items(run: dict, br: list | None, ar: list | None) -> str:
 # The paper's Table 1 beside ours, when eval.py --suite paper has written it.
 
 
+def table_markdown(table: dict) -> str:
+    """eval.py --suite paper's table.json as table.md: one row per benchmark in the paper's order,
+    ours beside the paper's, the notes under it (paper_table_html shows the same in the report)."""
+    def cell(p):
+        return f"{100 * p['accuracy']:.1f} [{100 * p['ci95'][0]:.0f}, {100 * p['ci95'][1]:.0f}]" if p else "-"
+
+    lines = ["| benchmark | n | frozen [95% CI] | trained [95% CI] | gain | tool calls / item | infra | time (s) "
+             "| paper untrained | paper trained | paper gain |", "|---" * 11 + "|"]
+    for b, (paper_untrained, paper_trained) in PAPER_TABLE_1.items():  # the paper's order
+        r = table["benchmarks"].get(b)
+        paper = f"{paper_untrained} | {paper_trained} | {paper_trained - paper_untrained:+.1f} |"
+        if r is None:
+            lines.append(f"| {b} | absent | | | | | | | {paper}")
+            continue
+        f, t = r["planners"].get("frozen"), r["planners"].get("trained")
+        both = [p for p in (f, t) if p]
+        gain = f"{100 * (t['accuracy'] - f['accuracy']):+.1f}" if f and t else "-"
+        per = lambda key, form: " / ".join(form.format(p[key]) for p in both)  # noqa: E731
+        lines.append(f"| {b} | {r['n']} | {cell(f)} | {cell(t)} | {gain} | {per('tool_calls_per_item', '{:.2f}')} | "
+                     f"{per('infra_failures', '{}')} | {per('seconds', '{:.1f}')} | {paper}")
+    return "\n".join(lines) + "\n\n" + "\n\n".join(table["notes"]) + "\n"
+
+
 def paper_table_html(run: dict) -> str:
-    """eval/paper/table.md (eval.py writes it: the home of its layout) as an HTML table, its
-    notes under it."""
+    """eval/paper/table.md (table_markdown's) as an HTML table, its notes under it."""
     text = run["paper_table"]
     if not text:
         return ""
