@@ -2,24 +2,25 @@
 
 Paper, section 2. Every symbol of the objective lives in this file:
 
-    J(theta) = 1/G sum_i 1/T_i sum_t 1/|a_i^t| sum_j  min( rho_ij^t A_i^t , clip(rho_ij^t, 1-eps_low, 1+eps_high) A_i^t )
+    J(theta) = 1/G sum_i 1/T_i sum_t 1/|a_i^t| sum_j
+                   min( rho_ij^t A_i^t , clip(rho_ij^t, 1-eps_low, 1+eps_high) A_i^t )
                - beta * KL(pi_theta || pi_ref)
 
     G          rollouts of one query (we average over all N = Q*G trajectories of a batch)
-    T_i        planner turns of trajectory i                     -> build_rows, kept_rows, TurnRow.weight
+    T_i        planner turns of trajectory i                     -> kept_rows, TurnRow.weight
     |a_i^t|    tokens of the planner's action at turn t          -> flow_grpo_loss, `n_tok`
     rho_ij^t   pi_theta(token) / pi_theta_old(token)             -> flow_grpo_loss, `ratio`
                pi_theta_old: the trainer's own forward at the weights that sampled (policy_update)
-    A_i^t      = A_i = (R_i - mean_k R_k) / (std_k R_k + eps)    -> group_advantages
+    A_i^t      = A_i = (R_i - mean_k R_k) / (std_k R_k + eps)    -> group_advantages, kept_rows
     eps_low, eps_high  the asymmetric clip range                 -> LossConfig, flow_grpo_loss
     beta       the KL coefficient                                -> LossConfig, flow_grpo_loss, `kl`
-    KL         per sampled token, d = log pi_ref - log pi:       -> token_kl (which KL each gradient follows)
+    KL         per sampled token, d = log pi_ref - log pi:       -> token_kl (which KL each follows)
                k2 = d^2 / 2, or the paper's
-               k3 = e^d - d - 1, CLAMPED                         -> k3_kl: d to [-20, 20], k3 to <= 10
-               (verl's "low_var_kl"). Its gradient per token, d k3 / d log pi = 1 - e^d, is then
-               bounded: |1 - e^d| <= e^2.61 - 1 ~ 12.6 where k3 < 10, and exactly 0 beyond the
-               clamp (k3 = 10 at d ~ 2.61 and d ~ -11). Unclamped, a token at d = 10 pulled with
-               1 - e^10 ~ -2.2e4 and could outweigh a whole batch.
+               k3 = e^d - d - 1, CLAMPED                         -> k3_kl: d to [-20, 20], k3 <= 10
+               (verl's "low_var_kl"). Its gradient per token, d k3 / d log pi = 1 - e^d,
+               is then bounded: |1 - e^d| <= e^2.61 - 1 ~ 12.6 where k3 < 10, and exactly 0
+               beyond the clamp (k3 = 10 at d ~ 2.61 and d ~ -11). Unclamped, a token at
+               d = 10 pulled with 1 - e^10 ~ -2.2e4 and could outweigh a whole batch.
 
 `reference_objective` writes J as one Python loop per average, exactly as above; the
 batched `flow_grpo_loss` must equal it (tests/test_flow_grpo.py), and a reader can
@@ -33,8 +34,8 @@ single-turn updates, one per (prompt, action) row.
 How this departs from the official code: advantages are normalised per trajectory over
 the G rollouts of a query (the official code normalises over all turn rows of a query,
 so long trajectories weigh more; `advantage_mode: turn_rows` reproduces that), and the
-1/T_i average keeps a long trajectory from outweighing a short one. kept_rows lists the
-other credit choices: a score per turn instead of the broadcast, and rows weighed alike.
+1/T_i average keeps a long trajectory from outweighing a short one. other_credit holds
+the other credit choices: a score per turn instead of the broadcast, rows weighed alike.
 
 pi_theta_old, exactly: the weights that sampled are the weights we update (no stale copy),
 but the sampler's log-probs come from a different computation (a cached decode step)
@@ -65,9 +66,9 @@ class TurnRow:
     """One planner turn as a training row: the state, the action, and its credit."""
     prompt_ids: list[int]  # (q, K, M^t) exactly as sampled
     action_ids: list[int]  # a_i^t
-    sampler_logprobs: list[float]  # the sampler's log-probs of a_i^t: a diagnostic (logprob_gap), not pi_old
+    sampler_logprobs: list[float]  # the sampler's log-probs of a_i^t: logprob_gap's, not pi_old
     advantage: float  # A_i^t = A_i, broadcast from the trajectory
-    weight: float  # 1 / (N * T_i): the trajectory and turn averages of J
+    weight: float  # 1 / (Q' G_q T_i), 1 / (N T_i) if all are kept: J's trajectory and turn averages
 
 
 @dataclass(frozen=True)
@@ -169,24 +170,6 @@ def rloo(values: list[float]) -> list[float]:
     return [v - (total - v) / (G - 1) for v in values]
 
 
-def build_rows(trajectories, advantages: list[float]) -> list[TurnRow]:
-    """Broadcast each trajectory's advantage to all its planner turns (A_i^t = A_i).
-
-    weight = 1/(N * T_i) puts the 1/G (here 1/N over the whole batch of N = Q*G
-    trajectories: the mean over groups of each group's 1/G average) and 1/T_i averages
-    of J on the row; the 1/|a| average is applied per token in flow_grpo_loss. Because
-    these are fixed before any micro-batching, splitting rows into micro-batches (and
-    summing their losses) gives exactly the loss of the whole batch."""
-    N = len(trajectories)
-    rows = []
-    for traj, A_i in zip(trajectories, advantages):
-        turns = [t for t in traj.turns if t.action_ids]
-        T_i = len(turns)
-        for turn in turns:
-            rows.append(TurnRow(turn.prompt_ids, turn.action_ids, turn.logprobs, A_i, 1.0 / (N * T_i)))
-    return rows
-
-
 def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
     """The trajectory indices of each group an update may use: its usable rollouts, if at
     least 2 (copies of a query are consecutive, G to a group)."""
@@ -194,74 +177,80 @@ def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
     return [g for g in groups if len(g) >= 2]
 
 
-def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory", n_groups: int | None = None,
-              turn_scores: list | None = None, row_weight: str = "trajectory", estimator: str = "grpo"):
+def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory",
+              n_groups: int | None = None, turn_scores=None, row_weight: str = "trajectory",
+              estimator: str = "grpo", world=SINGLE):
     """(rows, groups): the training rows of what an update may use, and the trajectory
     indices of each group kept; sets each trajectory's advantage (None if left out).
-    Copies of a query are consecutive, G to a group.
 
-    The paper's case (the defaults): A_i over the group's rollouts (the paper's estimator,
-    or the one train.advantage names: ADVANTAGE_ESTIMATORS), broadcast to every
-    one of trajectory i's T_i turns, each row weighing 1 / (Q' G_q T_i) (J's averages:
-    each kept query 1/Q', each of its G_q kept rollouts 1/G_q, split over its T_i turns;
-    build_rows' 1 / (N T_i) when nothing is left out).
+    The paper's case (the defaults), written out first: A_i over the group's rollouts,
+    broadcast to each of trajectory i's T_i turns, each row weighing 1 / (Q' G_q T_i) (J's
+    averages: each kept query 1/Q', each of its G_q kept rollouts 1/G_q, split over its T_i
+    turns; 1 / (N T_i) when nothing is left out). Any other choice (train.advantage,
+    advantage_mode, row_weight) is other_credit's.
 
     A trajectory that is not usable (an infrastructure failure) is left out, and its group's
     advantages are normalised over the rollouts that remain: those are still independent
     samples of pi_theta on that query, so A_i = (R_i - mean) / (std + eps) over them is the
     paper's advantage for a group of that size. A group left with fewer than 2 is dropped
     whole: one rollout alone has A = R - mean = 0 and would bring only its KL term, on a
-    query the others no longer weigh. n_groups: Q' when `trajs` are one rank's share of the
-    step (the groups kept on all ranks); by default the groups here.
-
-    The variants (train.advantage_mode, train.row_weight) are in other_credit and below."""
+    query the others no longer weigh. Q' counts the groups kept on all of `world`'s ranks
+    (`trajs` are then this rank's share of the step), unless n_groups gives it."""
     groups = kept_groups(usable, G)
-    Q_kept = len(groups) if n_groups is None else n_groups
+    Q_kept = sum(world.all_gather(len(groups))) if n_groups is None else n_groups  # Q'
     for tr in trajs:
         tr.advantage = None  # what is left out has none
     rows = []
     for g in groups:
-        turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # the T_i turns with an action
-        if mode == "trajectory":
-            A = ADVANTAGE_ESTIMATORS.named(estimator)([trajs[k].reward for k in g])  # A_i over the G_q rollouts
-            adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # A_i^t = A_i for each of its T_i turns
-            for k, a in zip(g, A):
-                trajs[k].advantage = a
+        turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # its T_i acting turns
+        if (mode, row_weight, estimator) == ("trajectory", "trajectory", "grpo"):  # the paper's
+            A = group_advantages([trajs[k].reward for k in g], len(g))  # A_i = (R_i-mean)/(std+eps)
+            adv = {k: [A_i] * len(turns[k]) for k, A_i in zip(g, A)}  # A_i^t = A_i: the broadcast
+            weight = {k: 1.0 / (Q_kept * len(g) * len(turns[k])) for k in g}  # 1/Q' * 1/G_q * 1/T_i
         else:
-            adv = other_credit(trajs, g, turns, mode, turn_scores, estimator)
-        n_rows = sum(len(ts) for ts in turns.values())
-        for k in g:
-            weight = 1.0 / (Q_kept * len(g) * len(turns[k]))  # 1/Q' * 1/G_q * 1/T_i
-            if row_weight == "turn":  # 1 / (Q' n_q) for the n_q turn rows of group q: a long trajectory weighs more
-                weight = 1.0 / (Q_kept * n_rows)
-            rows += [TurnRow(t.prompt_ids, t.action_ids, t.logprobs, a, weight) for t, a in zip(turns[k], adv[k])]
+            A, adv, weight = other_credit(trajs, g, turns, Q_kept, mode, turn_scores, row_weight,
+                                          estimator)
+        for k, A_i in zip(g, A):
+            trajs[k].advantage = A_i
+        rows += [TurnRow(t.prompt_ids, t.action_ids, t.logprobs, a, weight[k])
+                 for k in g for t, a in zip(turns[k], adv[k])]
     return rows, groups
 
 
-def other_credit(trajs, g: list[int], turns: dict, mode: str, turn_scores: list | None, estimator: str) -> dict:
-    """A_i^t for each turn of group g under the other credit choices (train.advantage_mode):
-      turn_rows  the official code's: the same broadcast A_i, with the group's mean and
-                 std taken over its turn rows (trajectory i counts T_i times): only the
-                 normalisation changes, never which turn gets what;
-      per_turn   each turn its own A_i^t = (s_i^t - mean) / (std + eps), from a score per
-                 planner turn (turn_scores[i][t], judge.TURN_SCORES), the mean and std over
-                 the group's turn rows (or train.advantage's estimator over them);
-                 trajectory i's `advantage` is then the mean of its turns', the turns' own
-                 in `turn_advantages`."""
-    if mode == "turn_rows":
-        A = group_advantages([trajs[k].reward for k in g], len(g), [len(trajs[k].turns) for k in g], mode)
-        for k, a in zip(g, A):
-            trajs[k].advantage = a
-        return {k: [a] * len(turns[k]) for k, a in zip(g, A)}
-    if mode != "per_turn":
+def other_credit(trajs, g: list[int], turns: dict, Q_kept: int, mode: str, turn_scores,
+                 row_weight: str, estimator: str) -> tuple[list, dict, dict]:
+    """Group g's (A, adv, weight), as kept_rows names them, under the other credit choices:
+      train.advantage      another estimator of A_i from the rewards (ADVANTAGE_ESTIMATORS);
+      train.advantage_mode
+        turn_rows          the official code's: the same broadcast A_i, with the group's mean
+                           and std over its turn rows (trajectory i counts T_i times);
+        per_turn           each turn its own A_i^t = (s_i^t - mean) / (std + eps) over the
+                           group's turn rows (or train.advantage's estimator over them), s_i^t
+                           a score per planner turn (judge.TURN_SCORES): turn_scores(k) for
+                           trajectory k (or turn_scores[k], a list); its `advantage` is then
+                           the mean of its turns', the turns' own in `turn_advantages`;
+      train.row_weight: turn  each of the group's n_q turn rows weighs 1 / (Q' n_q): a long
+                           trajectory weighs more. What a choice leaves is the paper's."""
+    rewards = [trajs[k].reward for k in g]
+    if mode == "trajectory":
+        A = ADVANTAGE_ESTIMATORS.named(estimator)(rewards)  # A_i over the G_q rollouts
+    elif mode == "turn_rows":
+        A = group_advantages(rewards, len(g), [len(trajs[k].turns) for k in g], mode)
+    elif mode == "per_turn":
+        score = turn_scores if callable(turn_scores) else turn_scores.__getitem__
+        scores = [s for k in g for t, s in zip(trajs[k].turns, score(k)) if t.action_ids]
+        flat = iter(ADVANTAGE_ESTIMATORS.named(estimator)(scores))  # over the group's turn rows
+        adv = {k: [next(flat) for _ in turns[k]] for k in g}
+        for k in g:
+            trajs[k].turn_advantages = adv[k]
+        A = [sum(adv[k]) / len(adv[k]) if adv[k] else 0.0 for k in g]
+    else:
         raise ValueError(f"advantage mode must be 'trajectory', 'turn_rows' or 'per_turn', not {mode!r}")
-    scores = [s for k in g for t, s in zip(trajs[k].turns, turn_scores[k]) if t.action_ids]
-    flat = iter(ADVANTAGE_ESTIMATORS.named(estimator)(scores))  # over the group's turn rows
-    adv = {k: [next(flat) for _ in turns[k]] for k in g}
-    for k in g:
-        trajs[k].turn_advantages = adv[k]
-        trajs[k].advantage = sum(adv[k]) / len(adv[k]) if adv[k] else 0.0
-    return adv
+    if mode != "per_turn":
+        adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # the paper's broadcast: A_i^t = A_i
+    if row_weight == "turn":  # 1 / (Q' n_q) for each of the group's n_q turn rows
+        return A, adv, dict.fromkeys(g, 1.0 / (Q_kept * sum(len(ts) for ts in turns.values())))
+    return A, adv, {k: 1.0 / (Q_kept * len(g) * len(turns[k])) for k in g}  # J's 1/(Q' G_q T_i)
 
 
 # ----------------------------------------------------------------------------------------
@@ -291,14 +280,14 @@ def token_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id:
         mask[i, La - len(r.action_ids):] = 1
         targets[i, La - len(r.action_ids):] = torch.tensor(r.action_ids, device=dev)
     T = sampling.temperature
-    first = bool(sampling.first_tokens) or sampling.first_temperature > 0  # token 0 has its own distribution
+    first = bool(sampling.first_tokens) or sampling.first_temperature > 0  # token 0: its own law
     r = torch.arange(n, device=dev)  # [n]
-    c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] first action column
+    c = torch.tensor([La - len(row.action_ids) for row in rows], device=dev)  # [n] its first column
     # The logits at position p predict token p+1: the last La+1 positions cover every action.
     h = last_hidden(model, [row.prompt_ids + row.action_ids for row in rows], pad_id, La + 1,
                     [len(row.prompt_ids) - 1 for row in rows])
     h = h[:, :-1]  # [n, La, d] the hidden state that predicts each action token
-    scored = mask.bool()  # [n, La] the positions scored at temperature T (token 0 below when `first`)
+    scored = mask.bool()  # [n, La] the positions scored at temperature T (token 0 below if `first`)
     if first:
         scored[r, c] = False
     at = scored.nonzero(as_tuple=True)
@@ -379,8 +368,8 @@ class ChunkedLogprobs(torch.autograd.Function):
             if want_b:
                 grad_b += d_logits.float().sum(0)
             del z, dz, d_logits  # [c, V] each: gone before the next chunk makes its own
-        return (grad_h, grad_w.to(weight.dtype) if want_w else None, grad_b.to(bias.dtype) if want_b else None,
-                None, None, None)
+        return (grad_h, grad_w.to(weight.dtype) if want_w else None,
+                grad_b.to(bias.dtype) if want_b else None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -398,7 +387,7 @@ def frozen_reference(model, trainable: list) -> torch.nn.Module:
     duplicated) and owns copies of the trained ones only, which keep their initial
     values while the policy's move."""
     trained = {id(p) for p in trainable}
-    shared = {id(p): p for p in model.parameters() if id(p) not in trained}  # deepcopy's memo: kept as is
+    shared = {id(p): p for p in model.parameters() if id(p) not in trained}  # deepcopy's memo
     return copy.deepcopy(model, shared).requires_grad_(False)
 
 
@@ -414,7 +403,7 @@ def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         no token's KL gradient exceeds that (times beta and its token weight);
       * d in [-20, 20] first: otherwise e^d overflows to inf for d > 88 and the zero
         gradient of the outer clamp times inf is NaN."""
-    d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)  # zero gradient outside [-20, 20]
+    d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)  # no gradient beyond +-20
     return (torch.exp(d) - d - 1).clamp(max=KL_MAX)  # zero gradient where k3 > 10
 
 
@@ -437,7 +426,7 @@ def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, estimator: str) -> torc
     for k2 too (|gradient| <= 20 per token)."""
     if estimator == "k3":
         return k3_kl(ref_logp, logp)
-    if estimator != "k2":  # support/config.py checks train.kl_estimator; this guards a LossConfig built by hand
+    if estimator != "k2":  # support/config.py checks train.kl_estimator; this, a LossConfig by hand
         raise ValueError(f"kl_estimator must be 'k3' or 'k2', not {estimator!r}")
     d = (ref_logp - logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
     return 0.5 * d * d
@@ -446,7 +435,8 @@ def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, estimator: str) -> torc
 def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossConfig):
     """-J for a set of rows. Shapes: logp, old_logp, ref_logp, mask [n, La]; adv, row_weight [n].
 
-    Returns (loss, stats) with loss a scalar whose gradient is -dJ/dtheta."""
+    Returns (loss, terms): loss a scalar whose gradient is -dJ/dtheta; terms J's per-token
+    ratio, kl and weight and its A, without gradient, for the update's figures (add_figures)."""
     A = adv[:, None]  # [n, 1]  A_i^t, the same for every token of the action
     # rho = pi_theta / pi_theta_old. On the first update of a rollout batch old_logp is this
     # very forward's log pi, detached (policy_update), so rho = 1 exactly and
@@ -455,35 +445,28 @@ def flow_grpo_loss(logp, old_logp, ref_logp, adv, row_weight, mask, cfg: LossCon
     ratio = torch.exp(logp - old_logp)  # [n, La]  rho_ij^t
     surrogate = torch.minimum(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)  # [n, La]
     kl = token_kl(ref_logp, logp, cfg.kl_estimator)  # [n, La]
-    # Token weight = 1/(N T_i) * 1/|a_i^t|: the three averages of J.
+    # Token weight = the row's 1/(Q' G_q T_i) (kept_rows) * 1/|a_i^t|: the three averages of J.
     n_tok = mask.sum(-1).clamp(min=1)  # [n]  |a_i^t|
     w = (row_weight / n_tok)[:, None] * mask  # [n, La]
     J = (w * (surrogate - cfg.beta * kl)).sum()
-    with torch.no_grad():
-        clipped = ((ratio < 1 - cfg.eps_low) & (A < 0)) | ((ratio > 1 + cfg.eps_high) & (A > 0))
-        # [n, La] tokens whose KL term a clamp has left without a gradient
-        at_clamp = kl >= KL_MAX if cfg.kl_estimator == "k3" else (ref_logp - logp).abs() >= KL_LOG_RATIO_MAX
-        stats = {"kl": (w * kl).sum().item(), "clip_frac": (clipped.float() * mask).sum().item(),
-                 "kl_clamped": (at_clamp.float() * mask).sum().item(),
-                 "ratio_dev": ((ratio - 1).abs() * mask).max().item(), "n_tokens": mask.sum().item()}
-    return -J, stats
+    return -J, {"ratio": ratio.detach(), "kl": kl.detach(), "weight": w, "A": A}
 
 
 def reference_objective(model, ref_model, trajectories, advantages: list[float], sampling: SamplingParams,
                         cfg: LossConfig, old: list[list[float]] | None = None) -> torch.Tensor:
     """J exactly as the paper writes it: one Python loop per average, one forward per turn,
     no batching, no padding, no shared prefix. Slow; it is the yardstick that
-    flow_grpo_loss over build_rows is checked against (tests/test_flow_grpo.py).
+    flow_grpo_loss over kept_rows' rows is checked against (tests/test_flow_grpo.py).
 
     pi_old is this forward's own log-prob, detached (the on-policy first update: rho = 1),
-    unless `old` gives it: one list of log-probs per turn, in build_rows' order."""
+    unless `old` gives it: one list of log-probs per turn, in the rows' order."""
     N = len(trajectories)  # Q*G: 1/G over each group, averaged over the Q groups
-    J, k = 0.0, 0
+    J, k, dev = 0.0, 0, next(model.parameters()).device
     for traj, A_i in zip(trajectories, advantages):
         turns = [t for t in traj.turns if t.action_ids]
         T_i = len(turns)
         for turn in turns:  # 1/T_i sum_t
-            seq = torch.tensor([turn.prompt_ids + turn.action_ids], device=next(model.parameters()).device)
+            seq = torch.tensor([turn.prompt_ids + turn.action_ids], device=dev)
             logits = model(seq).logits[0].float()  # [S, V]
             with torch.no_grad():
                 ref_logits = ref_model(seq).logits[0].float()
@@ -520,7 +503,8 @@ def micro_batches(rows: list[TurnRow], micro_batch: int, max_tokens: int = 0) ->
     out, cur, longest = [], [], 0
     for i, r in enumerate(rows):
         length = len(r.prompt_ids) + len(r.action_ids)
-        if cur and (len(cur) == micro_batch or (max_tokens and (len(cur) + 1) * max(longest, length) > max_tokens)):
+        over_cap = max_tokens and (len(cur) + 1) * max(longest, length) > max_tokens
+        if cur and (len(cur) == micro_batch or over_cap):
             out.append(cur)
             cur, longest = [], 0
         cur.append(i)
@@ -531,17 +515,18 @@ def micro_batches(rows: list[TurnRow], micro_batch: int, max_tokens: int = 0) ->
 def accumulate_gradients(model, ref_model, rows: list[TurnRow], sampling: SamplingParams, loss_cfg: LossConfig,
                          pad_id: int, *, micro_batch: int = 16, max_tokens: int = 0, scale: float = 1.0,
                          old: list[torch.Tensor] | None = None, chunk: int = LOGITS_CHUNK) -> dict:
-    """Backward of `scale` * (-J) over `rows`, in micro_batches(rows, micro_batch, max_tokens).
+    """Backward of `scale` * (-J) over `rows`, in micro_batches(rows, micro_batch, max_tokens);
+    returns their figures (add_figures).
 
     old: log pi_old per row (its action's log-probs), or None: pi_old is this forward at
     these weights, i.e. the on-policy first update, rho = 1 exactly.
 
     Gradients add up in .grad. Since every token weight was fixed over the whole batch
-    (build_rows), the sum over micro-batches is the same loss whatever the split: the
+    (kept_rows), the sum over micro-batches is the same loss whatever the split: the
     micro-batch size trades memory for speed and changes nothing else."""
     dev = next(model.parameters()).device
-    st = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "ratio_dev": 0.0, "n_tokens": 0.0,
-          "entropy": 0.0, "gap_max": 0.0, "gap_sum": 0.0}
+    st = dict.fromkeys(("loss", "kl", "clip_frac", "kl_clamped", "ratio_dev", "n_tokens", "entropy",
+                        "gap_max", "gap_sum"), 0.0)
     for idx in micro_batches(rows, micro_batch, max_tokens):
         part = [rows[i] for i in idx]
         logp, entropy, mask = token_logprobs(model, part, sampling, pad_id, chunk)  # [n, La]
@@ -551,17 +536,32 @@ def accumulate_gradients(model, ref_model, rows: list[TurnRow], sampling: Sampli
         old_logp = logp.detach() if old is None else _pad_left([old[i] for i in idx], mask.shape[1], dev)  # [n, La]
         adv = torch.tensor([r.advantage for r in part], device=dev)  # [n]
         wt = torch.tensor([r.weight for r in part], device=dev)  # [n]
-        loss, s = flow_grpo_loss(logp, old_logp, ref_logp, adv, wt, mask, loss_cfg)
+        loss, terms = flow_grpo_loss(logp, old_logp, ref_logp, adv, wt, mask, loss_cfg)
         (loss * scale).backward()
-        with torch.no_grad():
-            gap = sampler_gap(logp, mask, part)
-            st["gap_max"], st["gap_sum"] = max(st["gap_max"], gap[0]), st["gap_sum"] + gap[1]
-            st["entropy"] += entropy.sum().item()
-        st["loss"] += loss.item() * scale
-        st["ratio_dev"] = max(st["ratio_dev"], s["ratio_dev"])
-        for key in ("kl", "clip_frac", "kl_clamped", "n_tokens"):
-            st[key] += s[key] * (scale if key == "kl" else 1)
+        add_figures(st, loss, scale, terms, logp, ref_logp, entropy, mask, part, loss_cfg)
     return st
+
+
+@torch.no_grad()
+def add_figures(st: dict, loss, scale: float, terms: dict, logp, ref_logp, entropy, mask,
+                rows: list[TurnRow], cfg: LossConfig) -> None:
+    """Adds one micro-batch's figures to accumulate_gradients' `st` (none reaches the loss):
+    loss and J's KL term, times `scale` as the backward; the tokens whose rho the clip held
+    (clip_frac) or whose KL term a clamp held (kl_clamped); the largest |rho - 1| (ratio_dev:
+    0 on an update's first step); the entropy sampled from; sampler_gap's max and sum."""
+    ratio, kl, w, A = terms["ratio"], terms["kl"], terms["weight"], terms["A"]  # [n, La] x3, [n, 1]
+    clipped = (ratio < 1 - cfg.eps_low) & (A < 0) | (ratio > 1 + cfg.eps_high) & (A > 0)  # [n, La]
+    at_clamp = (kl >= KL_MAX if cfg.kl_estimator == "k3"
+                else (ref_logp - logp).abs() >= KL_LOG_RATIO_MAX)  # [n, La] KL terms a clamp held
+    gap_max, gap_sum = sampler_gap(logp, mask, rows)
+    st["loss"] += loss.item() * scale
+    st["kl"] += (w * kl).sum().item() * scale
+    st["clip_frac"] += (clipped.float() * mask).sum().item()
+    st["kl_clamped"] += (at_clamp.float() * mask).sum().item()
+    st["ratio_dev"] = max(st["ratio_dev"], ((ratio - 1).abs() * mask).max().item())
+    st["n_tokens"] += mask.sum().item()
+    st["entropy"] += entropy.sum().item()
+    st["gap_max"], st["gap_sum"] = max(st["gap_max"], gap_max), st["gap_sum"] + gap_sum
 
 
 def sampler_gap(logp: torch.Tensor, mask: torch.Tensor, rows: list[TurnRow]) -> tuple[float, float]:
@@ -574,26 +574,28 @@ def sampler_gap(logp: torch.Tensor, mask: torch.Tensor, rows: list[TurnRow]) -> 
 
 
 @torch.no_grad()
-def old_logprobs(model, rows: list[TurnRow], sampling: SamplingParams, pad_id: int, *, micro_batch: int = 16,
-                 max_tokens: int = 0, chunk: int = LOGITS_CHUNK) -> tuple[list[torch.Tensor], dict]:
-    """log pi_old of every row's action, from the trainer's forward without gradient, in
-    micro_batches(rows, ...): the caller passes the rows in the order and grouping its
-    first gradient pass will use, so that pass computes these very numbers again and its
-    rho is exactly 1. Also the sampler gap (max, sum) of these rows."""
-    old, gap = [None] * len(rows), [0.0, 0.0]
-    for idx in micro_batches(rows, micro_batch, max_tokens):
-        part = [rows[i] for i in idx]
-        logp, _, mask = token_logprobs(model, part, sampling, pad_id, chunk)  # [n, La]
-        for j, i in enumerate(idx):
-            old[i] = logp[j, mask.shape[1] - len(rows[i].action_ids):].clone()  # [|a_i|]
-        g = sampler_gap(logp, mask, part)
-        gap = [max(gap[0], g[0]), gap[1] + g[1]]
+def old_logprobs(model, rows: list[TurnRow], split: list, sampling: SamplingParams, pad_id: int, *,
+                 micro_batch: int = 16, max_tokens: int = 0, chunk: int = LOGITS_CHUNK) -> tuple[list, dict]:
+    """log pi_old of every row's action ([|a_i|] each) and the sampler gap of the rows, from
+    the trainer's forward without gradient: mini-batch by mini-batch of `split` (row indices),
+    each in its micro_batches, as the first epoch's gradient passes will run them, so the
+    first step computes these very numbers again and its rho is exactly 1."""
+    old, gap = [None] * len(rows), [0.0, 0.0]  # gap: (max, sum) of sampler_gap
+    for part in split:
+        sub, part_gap = [rows[i] for i in part], [0.0, 0.0]
+        for idx in micro_batches(sub, micro_batch, max_tokens):
+            logp, _, mask = token_logprobs(model, [sub[j] for j in idx], sampling, pad_id, chunk)  # [n, La]
+            for j, i in enumerate(idx):
+                old[part[i]] = logp[j, mask.shape[1] - len(sub[i].action_ids):].clone()  # [|a_i|]
+            g = sampler_gap(logp, mask, [sub[j] for j in idx])
+            part_gap = [max(part_gap[0], g[0]), part_gap[1] + g[1]]
+        gap = [max(gap[0], part_gap[0]), gap[1] + part_gap[1]]  # summed mini-batch by mini-batch
     return old, {"gap_max": gap[0], "gap_sum": gap[1]}
 
 
 # The statistics of a step that takes no update (no group kept two rollouts on any rank).
-NO_UPDATE = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None, "logprob_gap": None,
-             "planner_tokens": 0, "optimizer_steps": 0}
+NO_UPDATE = {"loss": None, "kl": None, "clip_frac": None, "entropy": None, "grad_norm": None,
+             "logprob_gap": None, "planner_tokens": 0, "optimizer_steps": 0}
 
 
 def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: SamplingParams, loss_cfg: LossConfig,
@@ -613,38 +615,35 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
     if not sum(world.all_gather(len(rows))):
         return dict(NO_UPDATE)
     E, K = update.epochs, update.minibatches
-    batching = {"micro_batch": update.micro_batch, "max_tokens": update.max_tokens,
-                "chunk": update.chunk}
+    batching = dict(micro_batch=update.micro_batch, max_tokens=update.max_tokens, chunk=update.chunk)
     gen = torch.Generator().manual_seed(seed)  # the mini-batch order: the same on every rank
-    split = world.minibatches(len(rows), K, gen)  # this rank's rows of each mini-batch of the first epoch
-    old, gap = None, None
-    if E * K > 1:
-        # pi_old of every row before any step, in the micro-batches of the first epoch.
-        old = [None] * len(rows)
-        gap = {"gap_max": 0.0, "gap_sum": 0.0}
-        for idx in split:
-            lps, g = old_logprobs(model, [rows[i] for i in idx], sampling, pad_id, **batching)
-            for i, lp in zip(idx, lps):
-                old[i] = lp
-            gap = {"gap_max": max(gap["gap_max"], g["gap_max"]), "gap_sum": gap["gap_sum"] + g["gap_sum"]}
-    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "kl_clamped": 0.0, "n_tokens": 0.0, "entropy": 0.0}
-    grad_norm, ratio_dev_first = 0.0, 0.0
+    split = world.minibatches(len(rows), K, gen)  # this rank's rows of each mini-batch of epoch 1
+    # pi_old. The paper's case, one step: this very forward's log pi, detached (old None:
+    # rho = 1 bit for bit, no extra pass). Several steps: a pass without gradient first.
+    old, gap = (None, None) if E * K == 1 else old_logprobs(model, rows, split, sampling, pad_id, **batching)
+    steps, grad_norm = [], 0.0  # each step's figures (accumulate_gradients'); the sum of norms
     for epoch in range(E):
-        if epoch:
-            split = world.minibatches(len(rows), K, gen)
-        for mb, idx in enumerate(split):
-            st = accumulate_gradients(model, ref_model, [rows[i] for i in idx], sampling, loss_cfg, pad_id,
-                                      scale=K, old=None if old is None else [old[i] for i in idx], **batching)
-            if epoch == 0 and mb == 0:
-                ratio_dev_first = st["ratio_dev"]  # 0: the first step is exactly on-policy
-                gap = gap or {k: st[k] for k in ("gap_max", "gap_sum")}  # one update: measured in this pass
+        for idx in (split if epoch == 0 else world.minibatches(len(rows), K, gen)):
+            pi_old = None if old is None else [old[i] for i in idx]
+            steps.append(accumulate_gradients(model, ref_model, [rows[i] for i in idx], sampling,
+                                              loss_cfg, pad_id, scale=K, old=pi_old, **batching))
             grad_norm += optimizer_step(optimizer, update.max_grad_norm, world)
-            for key in totals:
-                totals[key] += st[key]
-    # The whole batch's figures (grad_norm is already: the gradients were summed over ranks).
+    return update_figures(steps, gap, grad_norm, E, world)
+
+
+def update_figures(steps: list[dict], gap: dict | None, grad_norm: float, E: int, world) -> dict:
+    """metrics.jsonl's figures of one update, the whole batch's, from its optimizer steps'
+    (accumulate_gradients'): per step, per planner token, the first step's ratio_dev (0:
+    on-policy), and the sampler gap of pi_old's pass (`gap`), or with one step, that step's."""
+    totals = dict.fromkeys(("loss", "kl", "clip_frac", "kl_clamped", "n_tokens", "entropy"), 0.0)
+    for st in steps:
+        for key in totals:
+            totals[key] += st[key]
+    gap = gap or steps[0]
+    # Over all ranks (grad_norm already is: the gradients were summed over ranks).
     totals, peaks = world.merge({**totals, "gap_sum": gap["gap_sum"]},
-                                {"gap_max": gap["gap_max"], "ratio_dev": ratio_dev_first})
-    n_steps, n_tok = E * K, max(totals["n_tokens"], 1.0)
+                                {"gap_max": gap["gap_max"], "ratio_dev": steps[0]["ratio_dev"]})
+    n_steps, n_tok = len(steps), max(totals["n_tokens"], 1.0)
     return {"loss": totals["loss"] / n_steps, "kl": totals["kl"] / n_steps,
             "clip_frac": totals["clip_frac"] / n_tok, "kl_clamped": totals["kl_clamped"] / n_tok,
             "entropy": totals["entropy"] / n_tok, "grad_norm": grad_norm / n_steps,
@@ -656,12 +655,12 @@ def policy_update(model, ref_model, optimizer, rows: list[TurnRow], sampling: Sa
 def optimizer_step(optimizer, max_grad_norm: float, world=SINGLE) -> float:
     """One optimizer step of `optimizer` (a support.optim.PlannerOptimizer) on the gradients
     accumulated so far; returns their norm before clipping. Its four actions:"""
-    stepped = optimizer.stepped  # the trained weights, or their fp32 masters for bf16 weights (support/optim.py)
+    stepped = optimizer.stepped  # trained weights, or bf16 ones' fp32 masters (support/optim.py)
     if world.size > 1:
-        world.sum_grads(stepped)  # several processes: the whole batch's gradient, the same on every rank
+        world.sum_grads(stepped)  # several processes: the whole batch's gradient, on every rank
     norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm))  # 1. clip to max_grad_norm
     optimizer.adamw.step()  # 2. AdamW, in fp32
-    optimizer.copy_back()  # 3. the fp32 masters rounded into the weights the sampler and the trainer use
+    optimizer.copy_back()  # 3. the fp32 masters rounded into the weights sampler and trainer use
     optimizer.schedule.step()  # 4. the learning rate's warmup
     # Freed now, not at the next step's start: they would sit in memory through the next rollout.
     optimizer.adamw.zero_grad(set_to_none=True)
@@ -669,7 +668,7 @@ def optimizer_step(optimizer, max_grad_norm: float, world=SINGLE) -> float:
 
 
 def _pad_left(values: list, width: int, dev) -> torch.Tensor:
-    """Per-row values (lists or 1-D tensors) right-aligned in a [n, width] float32 tensor of zeros."""
+    """Per-row values (lists or 1-D tensors) right-aligned in a [n, width] float32 zero tensor."""
     out = torch.zeros((len(values), width), device=dev)  # [n, La]
     for i, v in enumerate(values):
         if len(v):

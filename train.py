@@ -303,13 +303,12 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
 
     # 4. Advantage A_i over each group's kept rollouts, broadcast to every planner turn of
     #    trajectory i as its rows; J's mean over queries runs over the groups kept on all ranks.
-    usable = [tr.reward is not None for tr in trajs]
-    n_groups = sum(world.all_gather(len(kept_groups(usable, G))))
-    scores = None  # with credit per turn, a score for each turn of each judged trajectory
-    if t["advantage_mode"] == "per_turn":
-        score = TURN_SCORES.named(t["turn_score"])
-        scores = [score(tr, my_queries[k // G], verdicts[k]) if usable[k] else None for k, tr in enumerate(trajs)]
-    rows, groups = kept_rows(trajs, usable, G, t["advantage_mode"], n_groups, scores, t["row_weight"], t["advantage"])
+    #    The other credit choices are flow_grpo.other_credit's; credit per turn asks it for
+    #    trajectory k's score of each turn (train.turn_score).
+    rows, groups = kept_rows(
+        trajs, [tr.reward is not None for tr in trajs], G, t["advantage_mode"], row_weight=t["row_weight"],
+        estimator=t["advantage"], world=world,
+        turn_scores=lambda k: TURN_SCORES.named(t["turn_score"])(trajs[k], my_queries[k // G], verdicts[k]))
 
     # 5. Update on planner tokens only, scored under the very SamplingParams the planner
     #    sampled with (temperatures, tool restriction), with pi_old from the trainer's own

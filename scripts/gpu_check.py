@@ -60,7 +60,7 @@ from support import device_memory
 from support import optim
 from agentflow import PlannerTurn, Trajectory
 from engine import LLM, SamplingParams
-from flow_grpo import (LossConfig, UpdateConfig, accumulate_gradients, build_rows, frozen_reference, policy_update,
+from flow_grpo import (LossConfig, UpdateConfig, accumulate_gradients, frozen_reference, kept_rows, policy_update,
                        reference_objective, token_logprobs)
 from memory import Memory
 
@@ -245,6 +245,15 @@ def check_stops(r: Report, z: dict, dev: str) -> None:
     r.check("stops_texts_holding_their_stop", sum(any(x in s.text for x in stops) for s in every[1]))
 
 
+def rows_of(trajs: list, rewards: list[float], G: int) -> list:
+    """The training rows train.py makes of these trajectories with these rewards, every
+    rollout kept (flow_grpo.kept_rows, groups of G), with A_i = R_i - mean (dr_grpo): the
+    advantages stay the size the rewards give them (+-0.5 for rewards 0 and 1)."""
+    for tr, R in zip(trajs, rewards):
+        tr.reward = R
+    return kept_rows(trajs, [True] * len(trajs), G, estimator="dr_grpo")[0]
+
+
 def trajectories(llm: LLM, prompts: list[list[int]], G: int, new: int, seed: int) -> list:
     """One planner turn per prompt, sampled at temperature 1: (prompt, action, log-probs)."""
     trajs = []
@@ -264,8 +273,8 @@ def check_loss(r: Report, z: dict, dev: str) -> None:
     llm = LLM(m16, IdTokenizer(z["model"]["vocab"]))
     G = z["loss_G"]
     trajs = trajectories(llm, prompts_for(z, z["loss_groups"] * G, seed=2), G, z["action"], seed=2)
-    adv = [((k % G) - (G - 1) / 2) / G for k in range(len(trajs))]  # a spread of advantages per group
-    rows = build_rows(trajs, adv)
+    rows = rows_of(trajs, [(k % G) / G for k in range(len(trajs))], G)  # a spread of advantages per group
+    adv = [tr.advantage for tr in trajs]
     sampling, cfg = SamplingParams(1.0, z["action"]), LossConfig(0.2, 0.3, 0.1)
     m32, ref32 = copy.deepcopy(m16).float(), copy.deepcopy(ref16).float()
     J = reference_objective(m32, ref32, trajs, adv, sampling, cfg)
@@ -286,7 +295,7 @@ def check_onpolicy(r: Report, z: dict, dev: str) -> None:
     ref = copy.deepcopy(model).requires_grad_(False)
     llm = LLM(model, IdTokenizer(z["model"]["vocab"]))
     trajs = trajectories(llm, prompts_for(z, z["draw_rows"], seed=8), 8, z["draw_new"], seed=8)
-    rows = build_rows(trajs, [float(k % 2) - 0.5 for k in range(len(trajs))])
+    rows = rows_of(trajs, [float(k % 2) for k in range(len(trajs))], 8)
     sampling = SamplingParams(1.0, z["draw_new"])
     gaps = []
     with torch.no_grad():
@@ -451,7 +460,7 @@ def check_memory(r: Report, z: dict, dev: str) -> None:
     samples, t_first = timed(dev, lambda: llm.sample(prompts, sampling, seed=5))
     for tr, p, s in zip(trajs, prompts, samples):
         tr.turns.append(PlannerTurn(p, s.ids, s.logprobs, ""))
-    rows = build_rows(trajs, [float(k % 2) - 0.5 for k in range(len(trajs))])[:4 * z["micro_batch"]]
+    rows = rows_of(trajs, [float(k % 2) for k in range(len(trajs))], 8)[:4 * z["micro_batch"]]
     update = lambda: policy_update(model, ref, opt, rows, sampling, LossConfig(0.2, 0.3, 0.001),
                                    UpdateConfig(micro_batch=z["micro_batch"], max_tokens=plan.update_tokens),
                                    llm.pad_id)

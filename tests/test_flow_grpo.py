@@ -9,7 +9,7 @@ import torch
 
 from agentflow import PlannerTurn, Trajectory
 from engine import LLM, SamplingParams
-from flow_grpo import (LossConfig, TurnRow, accumulate_gradients, build_rows, flow_grpo_loss, group_advantages,
+from flow_grpo import (LossConfig, TurnRow, accumulate_gradients, flow_grpo_loss, group_advantages,
                        reference_objective, token_logprobs)
 from memory import Memory
 
@@ -32,13 +32,23 @@ def make_trajectories(llm: LLM, n_groups=2, G=3, seed=0, first_tokens=(), first_
     return trajs
 
 
+def rows_of(trajectories, advantages: list[float]) -> list[TurnRow]:
+    """The rows of J for given advantages, every rollout kept: A_i broadcast to each of
+    trajectory i's T_i turns, each row weighing 1 / (N T_i) (flow_grpo.kept_rows' rows when
+    the advantages are its own; here any, as the loss tests need)."""
+    N = len(trajectories)
+    turns = [[t for t in traj.turns if t.action_ids] for traj in trajectories]
+    return [TurnRow(t.prompt_ids, t.action_ids, t.logprobs, A_i, 1.0 / (N * len(ts)))
+            for ts, A_i in zip(turns, advantages) for t in ts]
+
+
 def rows_for(llm, rewards, G=3, seed=0, perturb=0.0):
     """(trajectories, rows, old): with `perturb`, old is pi_old per row, the sampler's
     log-probs moved by noise (as if the weights had moved since sampling, so rho != 1 and
     clipping bites); otherwise None (the on-policy first update)."""
     trajs = make_trajectories(llm, len(rewards) // G, G, seed)
     adv = group_advantages(rewards, G)
-    rows = build_rows(trajs, adv)
+    rows = rows_of(trajs, adv)
     old = None
     if perturb:
         g = torch.Generator().manual_seed(seed)
@@ -279,7 +289,7 @@ def test_bf16_logprobs_are_those_of_a_full_sequence_forward(bf16_policy):
     roundings (2^-8 relative) of logits of magnitude ~10; a wrong position or temperature
     is off by whole nats."""
     llm16 = bf16_policy[0]
-    rows = build_rows(make_trajectories(llm16, 2, 3, seed=4), [0.0] * 6)
+    rows = rows_of(make_trajectories(llm16, 2, 3, seed=4), [0.0] * 6)
     with torch.no_grad():
         logp, _, mask = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id, chunk=5)
     ref = full_sequence_logprobs(llm16.model, rows, SAMPLING, mask)
@@ -295,7 +305,7 @@ def test_trainer_logprobs_equal_sampler_logprobs(tiny_llm):
     # restriction): the first token's logprob changes, and both sides agree.
     for first, t_first in (((), 0.0), (allowed, 0.0), (allowed, 2.5), ((), 2.5)):
         trajs = make_trajectories(tiny_llm, 2, 3, seed=6, first_tokens=first, first_temperature=t_first)
-        rows = build_rows(trajs, [0.0] * len(trajs))
+        rows = rows_of(trajs, [0.0] * len(trajs))
         sampling = SamplingParams(TEMP, 8, first_tokens=first, first_temperature=t_first)
         with torch.no_grad():
             logp, _, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id)
@@ -320,7 +330,7 @@ def test_reference_objective_scores_the_tool_restriction(policy):
     trajs = make_trajectories(llm, 2, 3, seed=7, first_tokens=allowed, first_temperature=2.0)
     rewards = [1, 0, 0, 1, 1, 0]
     adv = group_advantages(rewards, 3)
-    rows = build_rows(trajs, adv)
+    rows = rows_of(trajs, adv)
     cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
     llm.model.zero_grad()
     st = accumulate_gradients(llm.model, ref, rows, sampling, cfg, llm.pad_id)
@@ -343,7 +353,7 @@ def test_reference_objective_scores_a_first_temperature(policy, first):
     sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
     trajs = make_trajectories(llm, 1, 3, seed=7, first_tokens=allowed, first_temperature=2.0)
     adv = group_advantages([1, 0, 0], 3)
-    rows = build_rows(trajs, adv)
+    rows = rows_of(trajs, adv)
     cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
     J = reference_objective(llm.model, ref, trajs, adv, sampling, cfg)
     llm.model.zero_grad()
@@ -409,7 +419,7 @@ def test_reference_objective_applies_the_same_clamp(policy):
         ref.lm_head.weight.mul_(-3.0)  # the reference dislikes what the policy likes
     trajs = make_trajectories(llm, 1, 3, seed=8)
     adv = group_advantages([1, 0, 0], 3)
-    rows = build_rows(trajs, adv)
+    rows = rows_of(trajs, adv)
     cfg = LossConfig(EPS_LO, EPS_HI, 0.5)
     J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, cfg)
     llm.model.zero_grad()
@@ -440,7 +450,7 @@ def test_bf16_loss_and_gradient_match_the_fp32_reference(bf16_policy):
     llm16, r16, m32, r32 = bf16_policy
     trajs = make_trajectories(llm16, 2, 3, seed=0)
     adv = group_advantages([1, 0, 1, 0, 0, 1], 3)
-    rows = build_rows(trajs, adv)
+    rows = rows_of(trajs, adv)
     cfg = LossConfig(EPS_LO, EPS_HI, 0.1)
     J = reference_objective(m32, r32, trajs, adv, SAMPLING, cfg)
     (-J).backward()
@@ -457,7 +467,7 @@ def test_bf16_no_grad_and_grad_forwards_are_bit_identical(bf16_policy):
     """pi_old from a pass without gradient equals log pi of the pass with gradient, bit for
     bit: what makes rho exactly 1 on the first update when epochs x minibatches > 1."""
     llm16 = bf16_policy[0]
-    rows = build_rows(make_trajectories(llm16, 1, 3, seed=9), [0.5, -1.0, 0.5])
+    rows = rows_of(make_trajectories(llm16, 1, 3, seed=9), [0.5, -1.0, 0.5])
     with torch.no_grad():
         a = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id)[0]
     b = token_logprobs(llm16.model, rows, SAMPLING, llm16.pad_id)[0]
@@ -474,7 +484,7 @@ def test_first_update_is_exactly_on_policy_in_bf16(bf16_policy, epochs, minibatc
 
     llm16, r16, _, _ = bf16_policy
     trajs = make_trajectories(llm16, 2, 3, seed=10)
-    rows = build_rows(trajs, group_advantages([1, 0, 1, 0, 0, 1], 3))
+    rows = rows_of(trajs, group_advantages([1, 0, 1, 0, 0, 1], 3))
     opt = PlannerOptimizer([p for p in llm16.model.parameters()], lr=1e-3)
     seen = []  # (ratio, mask) of every flow_grpo_loss call
     import flow_grpo
@@ -511,7 +521,7 @@ def test_entropy_is_that_of_the_distribution_sampled_from(tiny_llm):
                            for n in ("Python_Coder", "Local_Search", "Base_Generator")))
     sampling = SamplingParams(TEMP, 8, first_tokens=allowed, first_temperature=2.0)
     trajs = make_trajectories(tiny_llm, 1, 2, seed=11, first_tokens=allowed, first_temperature=2.0)
-    rows = build_rows(trajs, [0.0, 0.0])
+    rows = rows_of(trajs, [0.0, 0.0])
     with torch.no_grad():
         _, entropy, mask = token_logprobs(tiny_llm.model, rows, sampling, tiny_llm.pad_id, chunk=3)
     for i, r in enumerate(rows):

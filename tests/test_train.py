@@ -315,16 +315,17 @@ def fake_trajectories(turns_per_traj, rewards):
 
 
 def test_kept_rows_keeps_the_weights_of_J_for_what_remains():
-    from flow_grpo import build_rows, group_advantages, kept_rows
+    from flow_grpo import group_advantages, kept_rows
     G, turns = 4, [1, 2, 3, 1, 2, 2, 1, 3, 1, 1, 2, 3]
     rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    # Nothing left out: exactly the rows of the whole batch (the path every offline run takes).
+    # Nothing left out: exactly the rows of the whole batch (the path every offline run takes),
+    # A_i over each group of G broadcast to the T_i turns of trajectory i, each weighing 1 / (N T_i).
     trajs = fake_trajectories(turns, rewards)
     rows, groups = kept_rows(trajs, [True] * 12, G)
-    expected = build_rows(trajs, group_advantages(rewards, G, turns))
+    A, N = group_advantages(rewards, G), len(trajs)
+    expected = [(A[k], 1.0 / (N * turns[k]), t.action_ids) for k in range(N) for t in trajs[k].turns]
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert [(r.advantage, r.weight, r.action_ids) for r in rows] == \
-        [(r.advantage, r.weight, r.action_ids) for r in expected]  # equal floats, not just close
+    assert [(r.advantage, r.weight, r.action_ids) for r in rows] == expected  # equal floats, not just close
     # Trajectory 1 failed, and 4, 6, 7 of group 2: group 1 keeps three rollouts, group 2 one (dropped).
     trajs = fake_trajectories(turns, rewards)
     usable = [k not in (1, 4, 6, 7) for k in range(12)]
@@ -344,6 +345,26 @@ def test_kept_rows_keeps_the_weights_of_J_for_what_remains():
     assert sum(r.weight for r in rows) == pytest.approx(1.0)
     # A group left with one rollout carries nothing: A = 0 for it alone.
     assert group_advantages([1.0], 1) == [0.0]
+
+
+def test_kept_rows_asks_for_the_turn_scores_of_kept_trajectories_only():
+    """train.py gives credit per turn its scores as a function of the trajectory k: it is
+    asked for the kept groups' trajectories alone, and the rows equal those a list gives."""
+    from flow_grpo import kept_rows
+    G, turns, rewards = 2, [1, 2, 2, 1, 3, 1], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    scores = [[0.5 * t + R for t in range(T)] for T, R in zip(turns, rewards)]
+    usable = [True, True, True, False, True, True]  # the second group keeps one rollout: dropped
+    asked = []
+
+    def score(k):
+        asked.append(k)
+        return scores[k]
+
+    by_list = kept_rows(fake_trajectories(turns, rewards), usable, G, "per_turn", None, scores)[0]
+    by_function = kept_rows(fake_trajectories(turns, rewards), usable, G, "per_turn", turn_scores=score)[0]
+    assert asked == [0, 1, 4, 5]
+    assert [(r.advantage, r.weight) for r in by_function] == [(r.advantage, r.weight) for r in by_list]
+    assert len({r.advantage for r in by_list}) > 2  # each turn its own advantage
 
 
 @pytest.fixture()
