@@ -43,7 +43,6 @@ the policy's frozen part), which also run the executor, verifier and generator.
 """
 
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -55,13 +54,12 @@ from tqdm import tqdm
 from agentflow import AgentSystem, agent_config
 from engine import LLM
 from eval import check_eval_names, evaluate
-from flow_grpo import (ADVANTAGE_ESTIMATORS, LossConfig, UpdateConfig, frozen_reference, kept_groups,
-                       kept_rows, policy_update)
+from flow_grpo import ADVANTAGE_ESTIMATORS, LossConfig, UpdateConfig, frozen_reference, kept_rows, policy_update
 from judge import TURN_SCORES, Judge, Reward
 from support import ranks
 from support.checkpoints import check_out_dir, export_model, resume, save_checkpoint
 from support.config import ConfigError, check_run, load_config
-from support.datasets import load_benchmark
+from support.datasets import draw_queries, load_benchmark
 from support.device_memory import Plan, PlanError, plan_for, use_expandable_segments
 from support.models import load_model, planner_name
 from support.optim import PlannerOptimizer, select_trainable
@@ -90,7 +88,8 @@ def main(argv: list[str]) -> int:
             print(plan.text())
             return 0 if plan.fits else 3
         check_run(cfg, check_train_names)  # data, judge, tools, reward, models, disk: all at once
-        check_out_dir(cfg)  # out_dir is new, or this config's run to resume: no other run is overwritten
+        if ranks.env_main():  # rank 0's: the others could see it writing there; if it stops, torchrun stops them
+            check_out_dir(cfg)  # out_dir is new, or this config's run to resume: no other run is overwritten
     except ConfigError as e:
         for line in str(e).splitlines():
             print(f"config error: {line}", file=sys.stderr)
@@ -284,7 +283,8 @@ def train_step(cfg, step, agent, model, ref, optimizer, items, judge, reward, ou
     t, G = cfg["train"], cfg["train"]["group_size"]
     step_seed = derive_seed("step", cfg["seed"], step)
 
-    # 1. Draw Q queries (the same on every rank); this rank takes a block of whole groups.
+    # 1. Draw Q queries (the same on every rank: seeded, stratified shuffles, support/datasets.py);
+    # this rank takes a block of whole groups.
     queries = draw_queries(items, step, t["queries_per_step"], cfg["seed"],
                            t["task_shares"], t["task_shares_from"])
     share = world.shard(len(queries))  # all of them in one process
@@ -341,61 +341,6 @@ def judge_rollouts(trajs, queries, G: int, judge: Judge, reward: Reward) -> list
         judged_here = v is not None and not v.get("judge_infra")
         tr.reward, tr.reward_terms = reward(tr, queries[k // G], v) if judged_here else (None, {})
     return verdicts
-
-
-def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None = None, shares_from: int = 1) -> list:
-    """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded, stratified shuffles.
-
-    Stratified: each epoch shuffles every task kind (item.meta["task"]) on its own and
-    interleaves the kinds in proportion, so any Q consecutive queries hold each kind in
-    about its share of the data. With plain shuffling and Q = 8, one step can draw six
-    arithmetic queries and no lookup; the update then pushes every question towards
-    one tool and the next step swings back. Data without a task field is one kind, i.e.
-    a plain shuffle. A resumed run draws the same stream: it depends only on (seed,
-    position).
-
-    shares (train.task_shares, kind -> weight): each kind takes that share of every step
-    instead, whatever its share of the data, and runs through its own seeded shuffles (a
-    small kind's sooner). Which kind a position goes to is fixed by the weights alone:
-    the kind furthest behind its share so far (ties to the first name), so equal weights
-    take turns and 2:1:1 gives 4/2/2 of every 8. Neither beat the data's shares on the
-    default's five seeds; two_step-heavy shares from step 5 did (docs/LOG.md).
-    shares_from (train.task_shares_from, counting steps from 1): the steps before it draw
-    the data's shares, the stream with shares still counts from position 0, so either
-    stream depends only on (seed, position)."""
-    by_kind = _by_kind(items)
-    if not shares or step + 1 < shares_from:
-        return [items[_epoch_order(by_kind, seed, epoch)[pos]]
-                for epoch, pos in (divmod(k, len(items)) for k in range(step * Q, step * Q + Q))]
-    kinds, total = sorted(shares), sum(shares.values())
-    drawn = dict.fromkeys(kinds, 0)  # positions each kind has taken so far in the stream
-    out = []
-    for k in range(step * Q + Q):
-        kind = max(kinds, key=lambda c: (k + 1) * shares[c] / total - drawn[c])  # first max wins ties
-        epoch, pos = divmod(drawn[kind], len(by_kind[kind]))
-        drawn[kind] += 1
-        if k >= step * Q:
-            order = list(by_kind[kind])
-            random.Random(derive_seed("kind_epoch", seed, kind, epoch)).shuffle(order)
-            out.append(items[order[pos]])
-    return out
-
-
-def _by_kind(items: list) -> dict[str, list[int]]:
-    by_kind: dict[str, list[int]] = {}
-    for i, it in enumerate(items):
-        by_kind.setdefault(getattr(it, "meta", {}).get("task", ""), []).append(i)
-    return by_kind
-
-
-def _epoch_order(by_kind: dict[str, list[int]], seed: int, epoch: int) -> list[int]:
-    rng = random.Random(derive_seed("epoch", seed, epoch))
-    keyed = []  # (place in [0, 1) within its kind's shuffled list, item index)
-    for kind in sorted(by_kind):
-        idx = list(by_kind[kind])
-        rng.shuffle(idx)
-        keyed += [((j + rng.random()) / len(idx), i) for j, i in enumerate(idx)]
-    return [i for _, i in sorted(keyed)]
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ DEFAULTS = {
         "queries_per_step": 8,  # Q queries drawn per step
         "group_size": 4,  # G rollouts per query
         # kind -> weight: each task kind (a data row's "task") takes that share of every step;
-        # {} = its share of the data. Name every kind of data.train (train.draw_queries).
+        # {} = its share of the data. Name every kind of data.train (datasets.draw_queries).
         "task_shares": {},
         # the first step task_shares applies to (1 = every step); the steps before it draw the
         # data's shares: a curriculum that meets the composite kind more once the parts are learned
@@ -486,7 +486,7 @@ def preflight(cfg: dict, data: bool = True) -> list[str]:
 
 
 def _task_kinds(path: str) -> set[str]:
-    """The task kinds of a data file's rows, as train.draw_queries reads them ("" for none)."""
+    """The task kinds of a data file's rows, as datasets.draw_queries reads them ("" for none)."""
     from support.datasets import load_benchmark
     return {it.meta.get("task", "") for it in load_benchmark(path)}
 

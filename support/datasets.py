@@ -30,11 +30,13 @@ meta["raw_question"].
 import ast
 import gzip
 import json
+import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from support.answers import KINDS, game24_number_sets, gold_aliases, parse_number, strip_option_labels
+from support.seeds import derive_seed
 
 # Field names, in order of preference. "query" comes before "question" because
 # in the official files "query" is the text that was shown to the model (medqa's
@@ -279,3 +281,62 @@ def load_benchmark(path: str, limit: int | None = None) -> list[Item]:
                           options=p["options"] if p["kind"] == "choice" else None,
                           numbers=p["numbers"] if p["kind"] == "game24" else None, meta=meta))
     return items
+
+
+# ----------------------------------------------------------------------------------------
+# The order of the training queries (train.py, step 1 of a step)
+
+
+def draw_queries(items: list, step: int, Q: int, seed: int, shares: dict | None = None, shares_from: int = 1) -> list:
+    """Queries step*Q .. step*Q+Q-1 of an endless stream of seeded, stratified shuffles.
+
+    Stratified: each epoch shuffles every task kind (item.meta["task"]) on its own and
+    interleaves the kinds in proportion, so any Q consecutive queries hold each kind in
+    about its share of the data. With plain shuffling and Q = 8, one step can draw six
+    arithmetic queries and no lookup; the update then pushes every question towards
+    one tool and the next step swings back. Data without a task field is one kind, i.e.
+    a plain shuffle. A resumed run draws the same stream: it depends only on (seed,
+    position).
+
+    shares (train.task_shares, kind -> weight): each kind takes that share of every step
+    instead, whatever its share of the data, and runs through its own seeded shuffles (a
+    small kind's sooner). Which kind a position goes to is fixed by the weights alone:
+    the kind furthest behind its share so far (ties to the first name), so equal weights
+    take turns and 2:1:1 gives 4/2/2 of every 8. Neither beat the data's shares on the
+    default's five seeds; two_step-heavy shares from step 5 did (docs/LOG.md).
+    shares_from (train.task_shares_from, counting steps from 1): the steps before it draw
+    the data's shares, the stream with shares still counts from position 0, so either
+    stream depends only on (seed, position)."""
+    by_kind = _by_kind(items)
+    if not shares or step + 1 < shares_from:
+        return [items[_epoch_order(by_kind, seed, epoch)[pos]]
+                for epoch, pos in (divmod(k, len(items)) for k in range(step * Q, step * Q + Q))]
+    kinds, total = sorted(shares), sum(shares.values())
+    drawn = dict.fromkeys(kinds, 0)  # positions each kind has taken so far in the stream
+    out = []
+    for k in range(step * Q + Q):
+        kind = max(kinds, key=lambda c: (k + 1) * shares[c] / total - drawn[c])  # first max wins ties
+        epoch, pos = divmod(drawn[kind], len(by_kind[kind]))
+        drawn[kind] += 1
+        if k >= step * Q:
+            order = list(by_kind[kind])
+            random.Random(derive_seed("kind_epoch", seed, kind, epoch)).shuffle(order)
+            out.append(items[order[pos]])
+    return out
+
+
+def _by_kind(items: list) -> dict[str, list[int]]:
+    by_kind: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        by_kind.setdefault(getattr(it, "meta", {}).get("task", ""), []).append(i)
+    return by_kind
+
+
+def _epoch_order(by_kind: dict[str, list[int]], seed: int, epoch: int) -> list[int]:
+    rng = random.Random(derive_seed("epoch", seed, epoch))
+    keyed = []  # (place in [0, 1) within its kind's shuffled list, item index)
+    for kind in sorted(by_kind):
+        idx = list(by_kind[kind])
+        rng.shuffle(idx)
+        keyed += [((j + rng.random()) / len(idx), i) for j, i in enumerate(idx)]
+    return [i for _, i in sorted(keyed)]

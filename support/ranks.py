@@ -146,6 +146,12 @@ def env_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_main() -> bool:
+    """Whether this process is rank 0 (or runs alone), before init: what only one process may
+    check, such as an out_dir that rank 0 may already be writing to."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def init(device: str) -> World:
     """This process's World, from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT); SINGLE without them. `device` is model.device: on CUDA each

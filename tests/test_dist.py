@@ -13,6 +13,7 @@ the order in which float gradients are summed."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,10 +128,12 @@ def runs(tiny_model_dir, tmp_path_factory):
             train.run(load_config(str(ROOT / "config.yaml"), tiny_overrides(tiny_model_dir, work / "infra_one", *INFRA)))
         assert evaluation.main(eval_args(tiny_model_dir, work / "eval_one")) == 0
     torch.set_num_threads(threads)
-    # An evaluation interrupted after its first batch: the 2 ranks resume it.
+    # An evaluation interrupted after its first batch (its folder's made_by.json, then a batch's
+    # rows): the 2 ranks resume it.
     (work / "eval_two").mkdir()
     first = (work / "eval_one" / "results.jsonl").read_text().splitlines(keepends=True)[:2]
     (work / "eval_two" / "results.jsonl").write_text("".join(first))
+    shutil.copy(work / "eval_one" / "made_by.json", work / "eval_two" / "made_by.json")
 
     run_args = lambda out, *extra: tiny_overrides(tiny_model_dir, work / out, *RESUME, *extra)
     torchrun([{"train": tiny_overrides(tiny_model_dir, work / "two", *EQUAL)},
@@ -138,7 +141,7 @@ def runs(tiny_model_dir, tmp_path_factory):
               {"train": tiny_overrides(tiny_model_dir, work / "lone_two", *LONE)},
               {"train": tiny_overrides(tiny_model_dir, work / "infra_two", *INFRA), "flaky": True},
               {"train": run_args("full", "train.steps=2")},
-              {"train": run_args("cut", "train.steps=1")},
+              {"train_main": [str(ROOT / "config.yaml"), *run_args("cut", "train.steps=1")]},  # as a user starts it
               {"eval_main": eval_args(tiny_model_dir, work / "eval_two")}], work, "first")
     torchrun([{"train_main": [str(ROOT / "config.yaml"), *run_args("cut", "train.steps=2")]}], work, "resume")
     return work

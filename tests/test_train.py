@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 import eval as evaluation
 from support.config import ConfigError, load_config
 import train
-from train import draw_queries, run
+from support.datasets import draw_queries
+from train import run
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "data" / "benchmarks"
