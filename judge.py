@@ -47,16 +47,13 @@ assumes 0/1: the group advantage normalises whatever R is.
 """
 
 import importlib
-import json
 import logging
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import requests
-
 from support.config import ConfigError
 from support.registry import Registry
+from support.web import chat_reply
 from support.answers import (KINDS, choice_index, choice_letter, date_key, extract_answer, game24_candidates,
                              game24_number_sets, check_game24, gold_aliases, normalize_text, parse_number,
                              same_math, strip_option_labels, token_f1, undone_arithmetic, words)
@@ -292,24 +289,8 @@ class LLMJudge:
         return None, f"unparseable reply {reply[:100]!r}"
 
     def _chat(self, prompt: str) -> tuple[bool | None, str, bool]:
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "temperature": 0, "max_tokens": 5}
-        try:
-            r = requests.post(f"{self.base_url}/chat/completions", headers=headers,
-                              data=json.dumps(body), timeout=self.timeout)
-        except requests.RequestException as e:
-            return None, f"request failed: {type(e).__name__}: {e}", True
-        if r.status_code != 200:
-            return None, f"HTTP {r.status_code}: {r.text[:200]!r}", True
-        try:
-            reply = r.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            return None, f"malformed response ({type(e).__name__}): {r.text[:200]!r}", True
-        return (*self._parse(reply), False)
+        reply, why = chat_reply(self.base_url, self.model, self.api_key_env, prompt, self.timeout)
+        return (None, why, True) if reply is None else (*self._parse(reply), False)
 
     def verdicts(self, items: list[tuple]) -> list[tuple[bool | None, str, bool]]:
         """(verdict, reason, infra) for many (question, prediction, gold); verdict None = the

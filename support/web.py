@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import ipaddress
+import json
+import os
 import random
 import re
 import socket
@@ -389,3 +391,23 @@ def fetch_page_text(url: str, retry: RetryPolicy, timeout: float, max_bytes: int
     if "html" in ctype or "xml" in ctype:
         text = html_to_text(text)
     return url, text
+
+
+def chat_reply(base_url: str, model: str, api_key_env: str, prompt: str, timeout: float) -> tuple[str | None, str]:
+    """(the reply, "") of an OpenAI-compatible chat endpoint to one user message, greedy and a
+    few tokens long (a judge's verdict), or (None, why) when the request, the status or the
+    body failed: the endpoint's failure, never the judge's. The key is read from the
+    environment variable api_key_env names (none sent when it is empty or unset)."""
+    key = os.environ.get(api_key_env) if api_key_env else None
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 5}
+    try:
+        r = requests.post(f"{base_url}/chat/completions", headers=headers, data=json.dumps(body), timeout=timeout)
+    except requests.RequestException as e:
+        return None, f"request failed: {type(e).__name__}: {e}"
+    if r.status_code != 200:
+        return None, f"HTTP {r.status_code}: {r.text[:200]!r}"
+    try:
+        return r.json()["choices"][0]["message"]["content"], ""
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return None, f"malformed response ({type(e).__name__}): {r.text[:200]!r}"
