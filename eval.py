@@ -60,7 +60,7 @@ from support.models import load_model, planner_name
 from support.provenance import claim, judge_label, made_by
 from support.run_log import judge_counts
 from support.sandbox import SandboxError
-from support.report.page import table_markdown, write_report
+from support.report.page import sweep_table, table_markdown, write_report
 from support.report.stats import wilson
 from support.seeds import derive_seed
 from support.text import plan_of
@@ -186,15 +186,6 @@ def turn_sweep(planners: dict, items: list[Item], budgets: list[int], out_dir: P
         result["planners"][label] = {str(T): evaluate(agent, items, out_dir / name / f"turns_{T}", max_turns=T,
                                                       desc=f"{name}, {T} turns", **kw) for T in budgets}
     return result
-
-
-def print_sweep(sweep: dict) -> None:
-    kinds = sorted({k for per in sweep["planners"].values() for s in per.values() for k in s.get("by_kind", {})})
-    print(f"\n{'planner':24s}{'turns':>6s}{'all':>8s}" + "".join(f"{k:>12s}" for k in kinds) + f"{'mean turns':>12s}")
-    for label, per in sweep["planners"].items():
-        for T, s in per.items():
-            print(f"{label:24.24s}{T:>6s}{s['accuracy']:8.3f}" +
-                  "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}")
 
 
 SEARCH_BENCHMARKS = ("bamboogle", "2wiki", "hotpotqa", "musique", "gaia")  # answered by looking facts up
@@ -370,7 +361,7 @@ def _main(args, cfg: dict, items: list[Item], out: str, agent, world) -> int:
             path = Path(cfg["out_dir"]) / "turn_sweep.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(sweep, indent=2) + "\n")
-            print_sweep(sweep)
+            print(sweep_table(sweep))
             print(f"written to {path}")
         return 0
     t0 = time.time()

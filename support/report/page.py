@@ -425,6 +425,19 @@ def paper_table_html(run: dict) -> str:
 # The test-time turn-budget sweep, when the run has one.
 
 
+def sweep_table(sweep: dict) -> str:
+    """eval.py --sweep's result as text: a row per planner and budget, accuracy overall and per
+    task kind, mean turns (turn_sweep_html shows it in the report)."""
+    kinds = sorted({k for per in sweep["planners"].values() for s in per.values() for k in s.get("by_kind", {})})
+    lines = [f"\n{'planner':24s}{'turns':>6s}{'all':>8s}" + "".join(f"{k:>12s}" for k in kinds)
+             + f"{'mean turns':>12s}"]
+    for label, per in sweep["planners"].items():
+        lines += [f"{label:24.24s}{T:>6s}{s['accuracy']:8.3f}"
+                  + "".join(f"{s['by_kind'][k]['accuracy']:12.3f}" for k in kinds) + f"{s['mean_turns']:12.2f}"
+                  for T, s in per.items()]
+    return "\n".join(lines)
+
+
 def turn_sweep_html(run: dict) -> str:
     """The test-time turn-budget analysis (turn_sweep.json, when the run has one): held-out
     accuracy per budget and task kind, one column group per planner."""
