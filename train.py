@@ -61,7 +61,7 @@ from support.checkpoints import check_out_dir, export_model, resume, save_checkp
 from support.config import ConfigError, check_run, load_config
 from support.datasets import draw_queries, load_benchmark
 from support.device_memory import Plan, PlanError, plan_for, use_expandable_segments
-from support.models import load_model, planner_name
+from support.models import load_model, planner_name, reference_needed
 from support.optim import PlannerOptimizer, select_trainable
 from support.run_log import (append_metrics, engine_counters, refresh_report, start_run, step_metrics,
                              write_learning, write_trajectories)
@@ -181,7 +181,7 @@ class Run:
     plan: Plan  # the memory plan: its sizes, and the guard that names what overflows it
     model: torch.nn.Module  # pi_theta, the trained planner
     tok: object  # the tokenizer all modules share
-    ref: torch.nn.Module  # pi_ref: the frozen initial weights
+    ref: torch.nn.Module | None  # pi_ref, the frozen initial weights; None where unread (reference_needed)
     optimizer: PlannerOptimizer
     agent: AgentSystem
     judge: Judge
@@ -223,7 +223,7 @@ def build_run(cfg: dict) -> Run:
     with world.local_first():  # the default model's one-time conversion: once per machine
         model, tok = load_model(planner_name(m), m["device"], m["dtype"])
         params = select_trainable(model, t["train_layers"])
-        ref = frozen_reference(model, params)
+        ref = frozen_reference(model, params) if reference_needed(cfg) else None
         own = planner_name(m) != m["name"]  # model.planner: the modules run model.name
         modules = load_model(m["name"], m["device"], m["dtype"])[0] if own else ref
         planner, frozen = LLM(model, tok), LLM(modules, tok)

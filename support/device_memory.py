@@ -222,11 +222,12 @@ def reserve_bytes(budget: float, device: str) -> float:
 
 def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, max_prompt: int, max_new: int,
               planner_new: int, rollout_rows: int, eval_rows: int, micro_batch: int, prefill_tokens: int,
-              logits_chunk: int, frozen: Shape | None = None) -> Plan:
+              logits_chunk: int, frozen: Shape | None = None, reference: bool = True) -> Plan:
     """The plan for one run (all sizes in tokens; budget in bytes or None). `shape` is the
     planner's model; `frozen`, the executor's, verifier's and generator's where it is
     another model (model.planner): its weights are resident too, and the sampler's rows
-    are sized for the larger of the two."""
+    are sized for the larger of the two. `reference`: whether the run keeps pi_ref's copies
+    of the trained weights (support/models.reference_needed); without it, no line for them."""
     s = torch.finfo(getattr(torch, dtype)).bits // 8  # bytes per weight
     low = s < 4
     plan = Plan(shape, dtype, device, budget, micro_batch=micro_batch)
@@ -237,10 +238,11 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
         weights += frozen.params * s
         add((f"the frozen modules' own model ({frozen.params / 1e9:.2f}B parameters)", frozen.params * s,
              "model.name (model.planner is another)"))
-    ref_copies = shape.trained * s
-    add((f"the reference's copies of the trained weights ({shape.trained / 1e9:.2f}B)", ref_copies,
-         f"train.train_layers: {shape.trained_layers} blocks + final norm" if shape.trained_layers < shape.layers
-         else "train.train_layers 0: every weight trains"))
+    ref_copies = shape.trained * s if reference else 0
+    if reference:
+        add((f"the reference's copies of the trained weights ({shape.trained / 1e9:.2f}B)", ref_copies,
+             f"train.train_layers: {shape.trained_layers} blocks + final norm"
+             if shape.trained_layers < shape.layers else "train.train_layers 0: every weight trains"))
     # fp32 master (low precision only), AdamW's two fp32 moments, the fp32 gradient; a
     # bf16 weight's own gradient lives only until its hook moves it (the largest tensor's).
     opt = shape.trained * (4 * 3 + (4 if low else 0)) + (shape.largest_trained * s if low else 0)
@@ -433,7 +435,7 @@ def plan_for(cfg: dict, config=None, ranks: int = 1, web_tools: list[str] = ()) 
     itself (weights, reference, optimizer state: they are replicated, not sharded); only
     its rollout is smaller, its share of the step's groups (ranks.World.shard). web_tools: the
     configured tools that call the web (tools.network_tools), whose calls the whole run counts."""
-    from support.models import planner_name
+    from support.models import planner_name, reference_needed
 
     t, a, e, m = cfg["train"], cfg["agent"], cfg["eval"], cfg["model"]
     if config is None:
@@ -449,7 +451,7 @@ def plan_for(cfg: dict, config=None, ranks: int = 1, web_tools: list[str] = ()) 
         max_new=max_new, planner_new=a["planner"]["max_new_tokens"],
         rollout_rows=-(-t["queries_per_step"] // ranks) * t["group_size"],  # the largest share
         eval_rows=e["batch_size"], micro_batch=micro_batch, prefill_tokens=m["prefill_tokens"],
-        logits_chunk=t["logits_chunk"], frozen=frozen)
+        logits_chunk=t["logits_chunk"], frozen=frozen, reference=reference_needed(cfg))
     if t["micro_batch"] != "auto":
         best = plan(t["micro_batch"])
     elif budget is None:  # nothing to fit

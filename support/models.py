@@ -155,6 +155,14 @@ def planner_name(model_cfg: dict) -> str:
     return model_cfg.get("planner") or model_cfg["name"]
 
 
+def reference_needed(cfg: dict) -> bool:
+    """Whether a run reads pi_ref's copy of the trained weights: for the KL term
+    (train.beta > 0), or as the frozen modules' model when model.planner is empty (they
+    share the planner's initial weights). With beta 0 and a planner of its own, nothing
+    does, so train.py builds none and the memory plan counts none."""
+    return cfg["train"]["beta"] > 0 or planner_name(cfg["model"]) == cfg["model"]["name"]
+
+
 def check_models(cfg: dict, training: bool = True) -> list[str]:
     """check_model for the run's models (their depth against train.train_layers when
     training), and, where the planner has a model of its own, that it shares the frozen

@@ -305,3 +305,19 @@ def test_the_plan_states_the_whole_run(tmp_path, monkeypatch, tiny_model_dir):
     assert cpu.whole_run[0].endswith("hours estimated on CUDA only") and len(cpu.whole_run) == 3
     assert cpu.whole_run[-1] == "  no web-search calls (offline tools: Base_Generator, Python_Coder, Local_Search)"
     assert cpu.text().endswith(cpu.whole_run[-1])  # --plan ends with the whole run
+
+
+def test_no_reference_where_nothing_reads_it(qwen7b, tiny_model_dir):
+    """With beta 0 and the frozen modules on a model of their own, nothing reads pi_ref:
+    the plan has no line for its copies and its peak is lower by exactly them. Beta 0 with
+    model.planner empty keeps them (they are the modules' weights), as does beta > 0."""
+    ref_line = "the reference's copies"
+    two = (f"model.planner={qwen7b}", f"model.name={tiny_model_dir}", "model.device=cpu",
+           "train.micro_batch=2")  # no budget, a fixed micro-batch: nothing spends the room saved
+    kept, gone = plan(qwen7b, *two), plan(qwen7b, *two, "train.beta=0")
+    assert any(ref_line in what for what, _, _ in kept.items)
+    assert not any(ref_line in what for what, _, _ in gone.items) and ref_line not in gone.text()
+    copies = kept.shape.trained * 2  # bf16
+    assert gone.resident == kept.resident - copies and gone.peak == kept.peak - copies
+    shared = plan(qwen7b, "model.device=cpu", "train.beta=0")  # the modules run the reference
+    assert any(ref_line in what for what, _, _ in shared.items)

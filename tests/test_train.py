@@ -783,3 +783,25 @@ def test_an_answer_the_judge_could_not_reach_gets_no_reward():
                                                                                   "modules": []}))
     assert trajs[0].reward is None and trajs[1].reward == 0.0
     assert verdicts[0]["judge_error"] == "HTTP 503"  # still counted as a failed judge call
+
+
+def test_beta_0_with_a_planner_of_its_own_builds_no_reference(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                              learnable_reward):
+    """Nothing reads pi_ref there (no KL term; the frozen modules run model.name): the run
+    trains without building it, reports its KL as 0.0 (as any beta-0 run), and its plan has
+    no line for the reference's copies."""
+    from scripts.tiny_model import build
+    planner = build(str(tmp_path / "planner"), seed=1)  # the tiny model's shape and tokenizer
+    monkeypatch.setattr(train, "frozen_reference", lambda *a: pytest.fail("beta 0 must not build pi_ref"))
+    seen = {}
+    real = train.build_run
+    monkeypatch.setattr(train, "build_run", lambda cfg: seen.setdefault("run", real(cfg)))
+    out = tmp_path / "run"
+    assert train.main([str(ROOT / "config.yaml"), *tiny_overrides(tiny_model_dir, out, "train.steps=1",
+                                                                  "train.eval_before_after=false", "train.beta=0",
+                                                                  f"model.planner={planner}")]) == 0
+    printed = capsys.readouterr().out  # the plan, printed at the start
+    assert seen["run"].ref is None and "the frozen modules' own model" in printed
+    assert "the reference's copies" not in printed
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["optimizer_steps"] > 0 and rows[0]["kl"] == 0.0
