@@ -122,12 +122,17 @@ def check_model(key: str, name: str, train_layers: int = 0, positions: int = 0) 
         return [f"{key}: {name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
                 f"HF_HUB_OFFLINE is set); download it once where there is network (`hf download {name}`) "
                 f"or point {key} at a local folder"]
-    missing = missing_weights(path) if Path(path).is_dir() or not _hub_reachable() else []
+    local = Path(path).is_dir() or not _hub_reachable()  # else the hub has what the cache lacks
+    missing = missing_weights(path) if local else []
     if missing:
         return [f"{key}: {name} lacks {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3
                                                                    else "")
                 + f" (a download that stopped half-way?); download it again (`hf download {name}`) or point {key} "
                   f"at a complete folder"]
+    if local and not any(_file_of(path, f) for f in TOKENIZER_FILES):
+        return [f"{key}: {name} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so no tokenizer "
+                f"can be built from it; a model folder needs its tokenizer's files (tokenizer.json or "
+                f"tokenizer.model, tokenizer_config.json): copy them in from the model it was made from"]
     try:
         config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -184,23 +189,31 @@ def check_models(cfg: dict, training: bool = True) -> list[str]:
 def missing_weights(path: str) -> list[str]:
     """The weight files a model folder, or a hub id's cached snapshot, should hold and does
     not: the shards its model.safetensors.index.json names, or its one weight file."""
-    from huggingface_hub import try_to_load_from_cache
-
-    def has(file: str):  # the file's path, or None
-        if Path(path).is_dir():
-            return str(Path(path) / file) if (Path(path) / file).is_file() else None
-        try:
-            found = try_to_load_from_cache(path, file)
-        except ValueError:  # not a valid repo id: the load will say so
-            return file
-        return found if isinstance(found, str) else None
-
+    has = lambda file: _file_of(path, file)
     index = has("model.safetensors.index.json")
     if index:
         shards = sorted(set(json.loads(Path(index).read_text()).get("weight_map", {}).values()))
         return [s for s in shards if not has(s)]
     single = ("model.safetensors", "pytorch_model.bin")
     return [] if any(has(f) for f in single) else [single[0]]
+
+
+def _file_of(path: str, file: str) -> str | None:
+    """The path of `file` in a model folder or a hub id's cached snapshot, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(path).is_dir():
+        return str(Path(path) / file) if (Path(path) / file).is_file() else None
+    try:
+        found = try_to_load_from_cache(path, file)
+    except ValueError:  # not a valid repo id: the load will say so
+        return file
+    return found if isinstance(found, str) else None
+
+
+# The files a tokenizer's vocabulary comes from, one of which a model folder needs: without
+# them transformers may build a tokenizer of one token, silently (the run fails later).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def _cached(repo_id: str) -> bool:

@@ -805,3 +805,23 @@ def test_beta_0_with_a_planner_of_its_own_builds_no_reference(tiny_model_dir, tm
     assert "the reference's copies" not in printed
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["optimizer_steps"] > 0 and rows[0]["kl"] == 0.0
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_before_loading(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A qwen2 folder without its tokenizer's files: transformers would build a tokenizer of
+    one token from it, silently. As model.name or model.planner the preflight refuses it,
+    naming the folder and the files, before any weights load (not as 'different tokenizers')."""
+    from scripts.tiny_model import build
+    from support.models import TOKENIZER_FILES
+    bare = Path(build(str(tmp_path / "bare"), family="qwen2", seed=1))
+    for f in bare.iterdir():
+        if "token" in f.name or f.name in ("chat_template.jinja", "vocab.json", "merges.txt"):
+            f.unlink()
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the preflight must refuse first"))
+    for key, extra in (("model.name", []), ("model.planner", [f"model.planner={bare}"])):
+        model = bare if key == "model.name" else tiny_model_dir
+        assert train.main([str(ROOT / "config.yaml"), *tiny_overrides(model, tmp_path / key, *extra)]) == 2
+        err = capsys.readouterr().err
+        assert f"{key}: {bare} has no tokenizer files" in err and TOKENIZER_FILES[0] in err
+        assert "different tokenizers" not in err
