@@ -4,9 +4,10 @@ every rank.
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_runner.py JOBS.json
 
 JOBS.json: {"dumps": DIR, "jobs": [{"train": [overrides]} | {"train_main": [argv]} | {"eval_main": [argv]}]}.
-"train" is train.run on config.yaml with the overrides (the process group stays up for
-the next job); "train_main" and "eval_main" are the command lines' main(), which leave
-the group when they end, so one of them can only be the last job. A job with
+"train" is train.run on config.yaml with the overrides; "train_main" and "eval_main" are the
+command lines' main(). The process group stays up from the first job to the last: the mains'
+own leaving (ranks.shutdown) waits for the end, since a group left and started again in one
+process can deadlock its next collective. A job with
 "flaky": true runs with test_dist.flaky's Local_Search.
 
 The reward is test_dist.alternating_verdicts: a random model never answers right, and
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import judge  # noqa: E402
+from support import ranks  # noqa: E402
 import train  # noqa: E402
 import tools  # noqa: E402
 from test_dist import alternating_verdicts, flaky  # noqa: E402
@@ -34,6 +36,7 @@ def main(jobfile: str) -> int:
     spec = json.loads(Path(jobfile).read_text())
     dumps, rank = Path(spec["dumps"]), int(os.environ["RANK"])
     judge.Judge.score_batch = alternating_verdicts
+    leave, ranks.shutdown = ranks.shutdown, lambda: None  # once, after the last job (below)
     real_step = train.train_step
 
     def step_and_dump(cfg, step, agent, model, *a, **kw):
@@ -57,6 +60,7 @@ def main(jobfile: str) -> int:
             import eval as evaluation
             if evaluation.main(args):
                 return 1
+    leave()
     return 0
 
 
