@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import SamplingParams, last_hidden
+from lora import adapters, without_adapters
 from support.registry import Registry
 from support.ranks import SINGLE
 
@@ -385,7 +386,10 @@ def frozen_reference(model, trainable: list) -> torch.nn.Module:
     verifier and generator). It SHARES every weight the policy does not train (one copy
     in memory: with train_layers 8 of Qwen2.5-7B's 28 blocks that is ~11 GB not
     duplicated) and owns copies of the trained ones only, which keep their initial
-    values while the policy's move."""
+    values while the policy's move. With LoRA adapters (lora.py) the trained weights are the
+    adapters, and pi_ref is the base without them: the same tensors, nothing copied."""
+    if adapters(model):
+        return without_adapters(model).requires_grad_(False)
     trained = {id(p) for p in trainable}
     shared = {id(p): p for p in model.parameters() if id(p) not in trained}  # deepcopy's memo
     return copy.deepcopy(model, shared).requires_grad_(False)

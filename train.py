@@ -56,13 +56,14 @@ from engine import LLM
 from eval import check_eval_names, evaluate
 from flow_grpo import ADVANTAGE_ESTIMATORS, LossConfig, UpdateConfig, frozen_reference, kept_rows, policy_update
 from judge import TURN_SCORES, Judge, Reward
+from lora import export, trained_weights
 from support import ranks
-from support.checkpoints import check_out_dir, export_model, resume, save_checkpoint
+from support.checkpoints import check_out_dir, resume, save_checkpoint
 from support.config import ConfigError, check_run, load_config
 from support.datasets import draw_queries, load_benchmark
 from support.device_memory import Plan, PlanError, plan_for, use_expandable_segments
 from support.models import load_model, planner_name, reference_needed
-from support.optim import PlannerOptimizer, select_trainable
+from support.optim import PlannerOptimizer
 from support.run_log import (append_metrics, engine_counters, refresh_report, start_run, step_metrics,
                              write_learning, write_trajectories)
 from support.sandbox import SandboxError
@@ -219,10 +220,13 @@ def build_run(cfg: dict) -> Run:
     # The policy pi_theta (trainable planner) and the frozen initial weights, which are
     # pi_ref for the KL term and also run the executor, verifier and generator (unless
     # model.planner gives the planner a model of its own). The reference shares the
-    # policy's frozen weights and copies only the trained ones.
+    # policy's frozen weights and copies only the trained ones; with adapters it is the base
+    # itself, the adapters off, and nothing is copied.
     with world.local_first():  # the default model's one-time conversion: once per machine
         model, tok = load_model(planner_name(m), m["device"], m["dtype"])
-        params = select_trainable(model, t["train_layers"])
+        # The weights that train: the top train.train_layers blocks themselves, or with
+        # train.lora_rank > 0 low-rank adapters on their projections, the base frozen (lora.py).
+        params = trained_weights(model, t, seed=derive_seed("lora", cfg["seed"]))
         ref = frozen_reference(model, params) if reference_needed(cfg) else None
         own = planner_name(m) != m["name"]  # model.planner: the modules run model.name
         modules = load_model(m["name"], m["device"], m["dtype"])[0] if own else ref
@@ -253,7 +257,7 @@ def finish(r: Run, before: dict | None, paraphrase_before: dict | None, started:
     paraphrase set) beside `before`, learning.json, the report; learning.json's content."""
     t, e, out, world = r.cfg["train"], r.cfg["eval"], r.out, r.world
     if world.main:  # the trained planner, whole, for eval.py --model and from_pretrained
-        export_model(out / "model", r.model, r.tok)
+        export(out / "model", r.model, r.tok)  # with adapters: merged, and adapter.safetensors beside it
     result = {"before": before}
     if t["eval_before_after"]:
         result["after"] = r.held_out_eval(t["steps"])

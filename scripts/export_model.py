@@ -5,7 +5,8 @@
 A checkpoint holds only what a resume needs (support/checkpoints.py); train.py exports the
 whole model at the end of a run, and this does it for a run that is still going or was cut
 short: the configured planner model (RUN_DIR/config.json) with the checkpoint's trained
-weights, loadable with `AutoModelForCausalLM.from_pretrained` and by eval.py --model.
+weights (with LoRA: merged, and adapter.safetensors beside it), loadable with
+`AutoModelForCausalLM.from_pretrained` and by eval.py --model.
 """
 
 import argparse
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import torch
 
-from support.checkpoints import checkpoints, export_model, load_trained
+from lora import export, trained_weights
+from support.checkpoints import checkpoints, load_trained
+from support.config import DEFAULTS
 from support.models import load_model, planner_name
-from support.optim import PlannerOptimizer, select_trainable
+from support.optim import PlannerOptimizer
 
 
 def main(argv=None) -> int:
@@ -33,11 +36,12 @@ def main(argv=None) -> int:
     cfg = json.loads((run / "config.json").read_text())
     step, path = found[-1]
     model, tok = load_model(planner_name(cfg["model"]), "cpu", cfg["model"]["dtype"])
-    t = cfg["train"]
+    t = {**DEFAULTS["train"], **cfg["train"]}  # a run from before a key existed ran its default
+    trained = trained_weights(model, t)  # with train.lora_rank: the adapters, their values loaded next
     state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     load_trained(model, state["trained"], path)  # fp32 weights; bf16 ones come from their masters:
-    PlannerOptimizer(select_trainable(model, t["train_layers"]), t["lr"]).load_state_dict(state)
-    print(export_model(Path(args.out) if args.out else run / "model", model, tok), f"(step {step})")
+    PlannerOptimizer(trained, t["lr"]).load_state_dict(state)
+    print(export(Path(args.out) if args.out else run / "model", model, tok), f"(step {step})")
     return 0
 
 

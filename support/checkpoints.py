@@ -50,13 +50,17 @@ def save_checkpoint(out: Path, step: int, model, optimizer) -> Path:
     return final
 
 
-def export_model(folder: Path, model, tok) -> Path:
-    """The whole model and its tokenizer in Hugging Face format at `folder`, atomically."""
+def export_model(folder: Path, model, tok, state_dict: dict | None = None, also=None) -> Path:
+    """The whole model and its tokenizer in Hugging Face format at `folder`, atomically:
+    `state_dict` in place of the model's own if given (lora.export: the adapters merged),
+    and also(tmp_folder) writes more files into it before it is renamed into place."""
     folder = Path(folder)
     tmp = folder.with_name(f".tmp_{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tok.save_pretrained(tmp)
+    if also is not None:
+        also(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder

@@ -117,6 +117,13 @@ DEFAULTS = {
         "micro_batch": 16,
         "logits_chunk": 1024,  # action positions whose [chunk, V] float32 logits exist at once in the loss
         "train_layers": 0,  # 0 = train every weight; N = only the top N blocks and the final norm
+        # LoRA (lora.py): 0 = off, every weight of the train_layers blocks trains (the paper's
+        # full fine-tune); r > 0 = only rank-r adapters on those blocks' projections train, the
+        # base frozen and shared by the reference and the frozen modules (one copy in memory).
+        "lora_rank": 0,
+        "lora_alpha": 32.0,  # the adapters' scale is lora_alpha / lora_rank
+        # the projections of each trained block that get adapters (default: all of attention and MLP)
+        "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "save_every": 10,  # checkpoint every N steps (and at the end)
         "eval_every": 0,  # held-out evaluation every N steps (0 = only before and after)
         "eval_before_after": True,  # held-out evaluation before the first and after the last step
@@ -175,6 +182,7 @@ BOUNDS = {
     "train.eps_low": ("<", 1, "the clip range 1 - eps_low must stay above 0"),
     "train.epochs": (">=", 1, ""), "train.minibatches": (">=", 1, ""), "train.micro_batch": (">=", 1, ""),
     "train.logits_chunk": (">=", 1, ""), "train.save_every": (">=", 1, ""),
+    "train.lora_alpha": (">", 0, "the adapters' scale lora_alpha / lora_rank: 0 would leave the base untrained"),
     "eval.batch_size": (">=", 1, ""), "eval.max_turns": (">=", 1, ""),
     "judge.timeout_s": (">", 0, ""), "judge.max_workers": (">=", 1, ""),
 }
@@ -326,6 +334,9 @@ def _check_combinations(cfg: dict) -> None:
                           f"task_shares {t['task_shares']!r}")
     if not a["tools"]:
         raise ConfigError("agent.tools must name at least one tool")
+    if t["lora_rank"] and not t["lora_targets"]:
+        raise ConfigError("train.lora_targets is empty with train.lora_rank > 0: name the projections that get "
+                          "adapters (e.g. [q_proj, v_proj]), or set train.lora_rank=0 for no adapters")
     if t["advantage_mode"] == "turn_rows" and t["advantage"] != "grpo":
         raise ConfigError(f"train.advantage_mode turn_rows is the official code's normalisation of grpo over turn "
                           f"rows; train.advantage {t['advantage']!r} needs advantage_mode trajectory or per_turn")

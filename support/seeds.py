@@ -14,6 +14,7 @@ names each use and its formula:
     kind_epoch   "seed/kind/epoch", as an int    one task kind's order (train.task_shares)
     eval_batch   eval seed + first item's place  a held-out batch (a resumed evaluation samples the same)
     paraphrase   eval seed + 2^31                the paraphrase set's evaluation seed (its batches: eval_batch)
+    lora         seed * 1_000_003 - 1            the LoRA adapters' initial A (step -1's seed: no step's)
 
 Why they do not collide: step seeds differ by one per step and a rank adds 2^32, more than
 any run's steps; the paraphrase set's batches sit 2^31 above the held-out ones, more than
@@ -54,6 +55,8 @@ def derive_seed(use: str, seed: int, *keys) -> int:
         return seed + first_item
     if use == "paraphrase":
         return seed + 2 ** 31
+    if use == "lora":
+        return seed * 1_000_003 - 1
     raise ValueError(f"no derived seed for {use!r}")
 
 

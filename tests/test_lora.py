@@ -1,0 +1,186 @@
+"""LoRA (lora.py): adapters off = the base exactly; the first update on-policy in fp32 and
+bf16; the sampler and the trainer compute the same adapted policy; the export is a plain
+Hugging Face model equal to the merged forward; resume is bit-exact; one copy of the base."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from engine import LLM
+from flow_grpo import (LossConfig, UpdateConfig, frozen_reference, group_advantages, policy_update,
+                       token_logprobs)
+from lora import LoRALinear, adapters, add_adapters, merged_state_dict, without_adapters
+from support.config import ConfigError
+from support.optim import PlannerOptimizer
+from test_flow_grpo import EPS_HI, EPS_LO, SAMPLING, make_trajectories, rows_of
+from test_train import learnable_reward, run, tiny_cfg, weights  # noqa: F401 (a fixture)
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def adapted(tiny_llm, dtype=torch.float32, trained_B=False, rank=4):
+    """(LLM with adapters on every block, the plain base model) in `dtype`. trained_B: B
+    random instead of 0, as after some updates, so that the adapters change the policy."""
+    base = copy.deepcopy(tiny_llm.model).to(dtype)
+    model = copy.deepcopy(base)
+    params = add_adapters(model, rank, 8.0, TARGETS, 0, seed=3)
+    if trained_B:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for layer in adapters(model).values():
+                layer.lora_B.copy_(0.05 * torch.randn(layer.lora_B.shape, generator=g))
+    return LLM(model, tiny_llm.tok), base, params
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_adapters_and_adapters_off_are_the_base_exactly(tiny_llm, dtype):
+    """B = 0: the adapted model's forward is the base's bit for bit; the reference (the base
+    with adapters off) too, after the adapters have moved; and it holds no tensor of its own."""
+    llm, base, params = adapted(tiny_llm, dtype)
+    ids = tiny_llm.chat_ids("Plan.", "What is 2 + 3?")
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in params)  # only A and B train, fp32
+    assert len(params) == 2 * len(TARGETS) * len(base.model.layers)
+    assert torch.equal(logits(llm.model, ids), logits(base, ids))
+    with torch.no_grad():
+        for layer in adapters(llm.model).values():
+            layer.lora_B.normal_(0, 0.05)
+    ref = frozen_reference(llm.model, params)
+    assert not adapters(ref) and not torch.equal(logits(llm.model, ids), logits(ref, ids))
+    assert torch.equal(logits(ref, ids), logits(base, ids))
+    shared = {p.data_ptr() for p in llm.model.parameters()}
+    assert all(p.data_ptr() in shared for p in ref.parameters()), "the reference must copy no weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_update_is_on_policy_with_kl_zero(tiny_llm, dtype):
+    """The first update with fresh adapters: rho = 1 exactly and KL(pi || pi_ref) = 0
+    exactly (the adapted policy IS the base there), in fp32 and in bf16; the step moves B."""
+    llm, _, params = adapted(tiny_llm, dtype)
+    ref = frozen_reference(llm.model, params)
+    rows = rows_of(make_trajectories(llm, 2, 3, seed=10), group_advantages([1, 0, 1, 0, 0, 1], 3))
+    opt = PlannerOptimizer(params, lr=1e-2)
+    assert opt.masters is None  # fp32 adapters: AdamW steps them directly
+    out = policy_update(llm.model, ref, opt, rows, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.05),
+                        UpdateConfig(micro_batch=2), llm.pad_id)
+    assert out["ratio_dev_first_step"] == 0.0 and out["clip_frac"] == 0.0
+    assert out["kl"] == 0.0
+    assert any(layer.lora_B.detach().abs().max() > 0 for layer in adapters(llm.model).values())
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_the_sampler_and_the_trainer_score_the_same_adapted_policy(tiny_llm, dtype, bound):
+    """With adapters that have moved, the sampler's log-probs (its prefill and written-out
+    decode step) against the trainer's (flow_grpo.token_logprobs): float noise in fp32,
+    bf16 rounding in bf16 (the bounds of the base's own gap, tests/test_flow_grpo.py). And
+    the adapters act in both: the base scores the same tokens differently."""
+    llm, base, _ = adapted(tiny_llm, dtype, trained_B=True)
+    rows = rows_of(make_trajectories(llm, 2, 3, seed=6), [0.0] * 6)
+    with torch.no_grad():
+        logp, _, mask = token_logprobs(llm.model, rows, SAMPLING, llm.pad_id)
+        plain = token_logprobs(base, rows, SAMPLING, llm.pad_id)[0]
+    gap = moved = 0.0
+    for i, r in enumerate(rows):
+        cols = slice(mask.shape[1] - len(r.action_ids), None)
+        gap = max(gap, float((logp[i, cols] - torch.tensor(r.sampler_logprobs, dtype=logp.dtype)).abs().max()))
+        moved = max(moved, float((logp[i, cols] - plain[i, cols]).abs().max()))
+    assert gap < bound, gap
+    assert moved > 10 * bound, moved
+
+
+def test_merged_weights_give_the_adapted_forward(tiny_llm):
+    """merged_state_dict folds each adapter in: a plain copy of the model loaded with it
+    computes what the adapted model computes (fp32: to float noise)."""
+    llm, base, _ = adapted(tiny_llm, trained_B=True)
+    merged = merged_state_dict(llm.model)
+    assert not any("lora" in k for k in merged) and set(merged) == set(base.state_dict())
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(merged)
+    ids = tiny_llm.chat_ids("Plan.", "What is 2 + 3?")
+    torch.testing.assert_close(logits(plain, ids), logits(llm.model, ids), rtol=0, atol=1e-4)
+
+
+def test_a_target_no_block_has_is_refused(tiny_llm):
+    with pytest.raises(ConfigError, match="lora_targets names qkv_proj.*q_proj"):
+        add_adapters(copy.deepcopy(tiny_llm.model), 4, 8.0, ["qkv_proj"], 0, seed=0)
+    with pytest.raises(ConfigError, match="lora_targets is empty"):
+        tiny_cfg("x", "y", "train.lora_rank=4", "train.lora_targets=[]")
+
+
+def test_adapters_only_on_the_trained_blocks(tiny_llm):
+    model = copy.deepcopy(tiny_llm.model)
+    add_adapters(model, 2, 4.0, ["q_proj", "down_proj"], 1, seed=0)
+    names = sorted(adapters(model))
+    last = len(model.model.layers) - 1
+    assert names == [f"model.layers.{last}.mlp.down_proj", f"model.layers.{last}.self_attn.q_proj"]
+    assert isinstance(model.model.layers[last].self_attn.q_proj, LoRALinear)
+    assert without_adapters(copy.deepcopy(model)).model.layers[last].self_attn.q_proj.__class__ is torch.nn.Linear
+
+
+LORA = ("train.lora_rank=4", "train.lora_alpha=8", "train.lr=5e-2")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lora_run_exports_a_plain_model_and_its_adapters(tiny_model_dir, tmp_path, learnable_reward, dtype):
+    """Two steps with adapters: the checkpoint holds the adapters and their AdamW state
+    only; model/ loads in plain transformers and computes the adapted planner's logits
+    (merged in fp32, then cast); adapter.safetensors holds A, B and the rank, alpha, targets;
+    scripts.export_model rebuilds the same files from the checkpoint."""
+    from scripts import export_model
+    out = tmp_path / "run"
+    cfg = tiny_cfg(tiny_model_dir, out, "train.steps=2", "train.eval_before_after=false", f"model.dtype={dtype}",
+                   *LORA)
+    run(cfg)
+    state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert state["trained"] and all(k.endswith((".lora_A", ".lora_B")) for k in state["trained"])
+    assert state["masters"] is None  # fp32 adapters need no masters, in a bf16 run too
+    exported = AutoModelForCausalLM.from_pretrained(out / "model")  # no project code involved
+    assert exported.dtype == getattr(torch, dtype)
+    start = {k: v.to(exported.dtype) for k, v in weights(tiny_model_dir).items()}  # the base in the run's dtype
+    moved = [k for k, v in weights(out / "model").items() if not torch.equal(v, start[k])]
+    assert moved and all(any(t in k for t in cfg["train"]["lora_targets"]) for k in moved)
+    with safe_open(out / "model" / "adapter.safetensors", "pt") as f:
+        meta = f.metadata()
+        A = {k: f.get_tensor(k) for k in f.keys()}
+    assert (meta["rank"], float(meta["alpha"]), set(meta["targets"].split(","))) == ("4", 8.0, set(TARGETS))
+    assert all(torch.equal(A[k], state["trained"][k]) for k in A) and set(A) == set(state["trained"])
+    # The merged export against the adapted model itself, rebuilt from the adapters.
+    from support.models import load_model
+    model, tok = load_model(tiny_model_dir, "cpu", dtype)
+    add_adapters(model, 4, 8.0, TARGETS, 2, seed=0)
+    model.load_state_dict(state["trained"], strict=False)
+    ids = LLM(model, tok).chat_ids("Plan.", "What is 2 + 3?")
+    atol = 1e-4 if dtype == "float32" else 0.1  # bf16: the merge rounds W + BA once, the adapted forward twice
+    torch.testing.assert_close(logits(exported, ids).float(), logits(model, ids).float(), rtol=0, atol=atol)
+    shutil_move(out / "model", tmp_path / "by_train")
+    assert export_model.main([str(out)]) == 0
+    a, b = weights(tmp_path / "by_train"), weights(out / "model")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def shutil_move(a, b):
+    import shutil
+    shutil.move(a, b)
+
+
+def test_a_lora_run_resumes_bit_exactly(tiny_model_dir, tmp_path, learnable_reward):
+    common = ("train.steps=3", "train.save_every=1", "train.eval_before_after=false", *LORA)
+    run(tiny_cfg(tiny_model_dir, tmp_path / "full", *common))
+    run(tiny_cfg(tiny_model_dir, tmp_path / "cut", "train.steps=2", "train.save_every=1",
+                 "train.eval_before_after=false", *LORA))
+    run(tiny_cfg(tiny_model_dir, tmp_path / "cut", *common))
+    a, b = (torch.load(tmp_path / r / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
+            for r in ("full", "cut"))
+    assert a["trained"] and all(torch.equal(a["trained"][k], b["trained"][k]) for k in a["trained"])
+    assert any(float(v.abs().max()) > 0 for k, v in a["trained"].items() if k.endswith("lora_B"))
+    metrics = [[json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+               for r in ("full", "cut")]
+    assert metrics[0] == metrics[1]
