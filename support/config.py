@@ -208,14 +208,8 @@ class ConfigError(ValueError):
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
     cfg = copy.deepcopy(DEFAULTS)
-    if path:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {path} not found")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
-        merge(cfg, loaded, DEFAULTS)
+    for layer in _config_files(path) if path else []:  # a `base:` file first, then the file itself
+        merge(cfg, layer, DEFAULTS)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=2")
@@ -229,6 +223,25 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> dict:
         raise ConfigError("\n".join(problems))
     _check_combinations(cfg)
     return cfg
+
+
+def _config_files(path: str, seen: tuple = ()) -> list[dict]:
+    """The YAML mappings a config file stands for, in merge order: a file may start from
+    another (`base: qwen2.5-7b-1gpu.yaml`, relative to its own folder) and set only what
+    differs; that file's own base comes before it, and so on."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {path} not found" + (f" (the base of {seen[-1]})" if seen else ""))
+    loaded = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
+    base = loaded.pop("base", None)
+    if base is None:
+        return [loaded]
+    if not isinstance(base, str) or p.resolve() in seen:
+        raise ConfigError(f"{path}: base must name one other YAML file (relative to {p.parent}), without a "
+                          f"cycle; got {base!r}")
+    return _config_files(str(p.parent / base), seen + (p.resolve(),)) + [loaded]
 
 
 EMPTY = object()  # `key=` on the command line: "" for text, [] for a list, {} for a mapping

@@ -75,35 +75,44 @@ class Shape:
     head_dim: int
     vocab: int
     params: int  # unique parameters (tied embeddings counted once)
-    trained: int  # parameters select_trainable trains
-    trained_layers: int  # decoder blocks among them
+    trained: int  # parameters that train: select_trainable's, or with LoRA the adapters'
+    trained_layers: int  # decoder blocks among them (with LoRA: the blocks with adapters)
     largest_trained: int  # the largest trained tensor (its bf16 gradient exists briefly)
+    lora_rank: int = 0  # train.lora_rank: the trained parameters are fp32 adapters (lora.py)
+    lora_targets: tuple = ()  # the adapted projections' names (each block's)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Keys and values of one token in every layer."""
         return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
 
 
-def model_shape(config, train_layers: int, name: str = "") -> Shape:
+def model_shape(config, train_layers: int, name: str = "", lora_rank: int = 0, lora_targets=()) -> Shape:
     """Shape of a causal LM from its transformers config; the parameters are counted by
     building the model on the meta device (no memory, no weights), so any architecture
-    transformers knows is counted exactly."""
+    transformers knows is counted exactly. With lora_rank r the trained parameters are the
+    adapters (lora.py): r (in + out) for each projection of `lora_targets` in the top
+    train_layers blocks (0: all)."""
     from transformers import AutoModelForCausalLM
 
     from support.optim import select_trainable
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    trained = select_trainable(model, train_layers)
+    trained = [p.numel() for p in select_trainable(model, train_layers)]
     layers, heads, hidden = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
+    if lora_rank:  # A [r, in] and B [out, r] for each adapted projection
+        blocks = model.get_decoder().layers[-train_layers:] if train_layers > 0 else model.get_decoder().layers
+        trained = [lora_rank * n for block in blocks for leaf, m in block.named_modules()
+                   if leaf.rpartition(".")[2] in lora_targets and isinstance(m, torch.nn.Linear)
+                   for n in (m.in_features, m.out_features)]
     return Shape(
         name=name or getattr(config, "_name_or_path", "") or config.model_type, hidden=hidden,
         intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
         layers=layers, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab=config.vocab_size,
-        params=sum(p.numel() for p in model.parameters()), trained=sum(p.numel() for p in trained),
+        params=sum(p.numel() for p in model.parameters()), trained=sum(trained),
         trained_layers=min(train_layers, layers) if train_layers > 0 else layers,
-        largest_trained=max((p.numel() for p in trained), default=0))
+        largest_trained=max(trained, default=0), lora_rank=lora_rank, lora_targets=tuple(lora_targets))
 
 
 @dataclass
@@ -238,20 +247,28 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
         weights += frozen.params * s
         add((f"the frozen modules' own model ({frozen.params / 1e9:.2f}B parameters)", frozen.params * s,
              "model.name (model.planner is another)"))
-    ref_copies = shape.trained * s if reference else 0
-    if reference:
+    blocks = (f"train.train_layers: {shape.trained_layers} blocks" if shape.trained_layers < shape.layers
+              else "train.train_layers 0: every block")
+    if shape.lora_rank:  # fp32 adapters (lora.py): no masters; pi_ref is the base without them
+        low = False
+        add((f"LoRA adapters, fp32 ({shape.trained / 1e6:.1f}M parameters)", shape.trained * 4,
+             f"train.lora_rank {shape.lora_rank} on {blocks}' {', '.join(shape.lora_targets)}"))
+        if reference:
+            add(("the reference: the same weights with the adapters off, no copy", 0.0, "lora.without_adapters"))
+    ref_copies = shape.trained * s if reference and not shape.lora_rank else 0
+    if reference and not shape.lora_rank:
         add((f"the reference's copies of the trained weights ({shape.trained / 1e9:.2f}B)", ref_copies,
-             f"train.train_layers: {shape.trained_layers} blocks + final norm"
-             if shape.trained_layers < shape.layers else "train.train_layers 0: every weight trains"))
+             f"{blocks} + final norm" if shape.trained_layers < shape.layers else "train.train_layers 0: every weight trains"))
     # fp32 master (low precision only), AdamW's two fp32 moments, the fp32 gradient; a
     # bf16 weight's own gradient lives only until its hook moves it (the largest tensor's).
+    # The adapters are fp32 weights themselves: their 4 bytes are the line above.
     opt = shape.trained * (4 * 3 + (4 if low else 0)) + (shape.largest_trained * s if low else 0)
     add(("fp32 masters + AdamW moments + fp32 gradients" if low else "AdamW moments + gradients (fp32)", opt, ""))
     reserve = reserve_bytes(budget, device) if budget is not None else 0.0
     if budget is not None:
         add(("reserve: " + ("CUDA context, allocator slack (1 GB + 3%)" if device == "cuda"
                             else "allocator slack (3%)"), reserve, ""))
-    plan.resident = weights + ref_copies + opt + reserve
+    plan.resident = weights + ref_copies + opt + reserve + (shape.trained * 4 if shape.lora_rank else 0)
     plan.weight_bytes = weights
     add(("= resident", plan.resident, ""))
 
@@ -293,11 +310,15 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     # The update: one micro-batch's forward and backward.
     seq = max_prompt + planner_new
     tokens = micro_batch * seq
-    saved = tokens * (shape.trained_layers * saved_per_token_layer(shape, s, seq) + (4 + s) * shape.hidden)
+    # With LoRA each adapted projection also keeps its r-dim A x (lora.LoRALinear), per token.
+    lora_saved = len(shape.lora_targets) * shape.lora_rank * s
+    saved = tokens * (shape.trained_layers * (saved_per_token_layer(shape, s, seq) + lora_saved)
+                      + (4 + s) * shape.hidden)
     transient = tokens * max(saved_per_token_layer(shape, s, seq), transient_per_token_layer(shape, s))
     mask = micro_batch * seq * seq * s
-    add((f"update: activations, {micro_batch} x {seq} tokens x {shape.trained_layers} trained blocks",
-         saved, "train.micro_batch, train.train_layers"))
+    add((f"update: activations, {micro_batch} x {seq} tokens x {shape.trained_layers} "
+         + ("blocks with adapters" if shape.lora_rank else "trained blocks"), saved,
+         "train.micro_batch, train.train_layers"))
     add(("  + one layer's backward or the reference's forward, the 4-D mask", transient + mask, ""))
     chunk = min(logits_chunk, micro_batch * planner_new)
     logits = chunk * shape.vocab * chunk_bytes_per_logit(s)
@@ -309,7 +330,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     plan.update = max(saved + transient + mask + logits, step)
     plan.update_tokens = tokens if budget is not None else 0
     plan.checkpoint_bytes = shape.trained * (4 * 2 + 4)  # two fp32 moments; fp32 masters or the fp32 weights
-    plan.export_bytes = shape.params * s
+    plan.export_bytes = shape.params * s + shape.trained * 4 * (shape.lora_rank > 0)  # + adapter.safetensors
 
     if budget is not None:
         knobs_update = (f"lower train.micro_batch (now {micro_batch}) or train.train_layers, or the lengths "
@@ -441,7 +462,8 @@ def plan_for(cfg: dict, config=None, ranks: int = 1, web_tools: list[str] = ()) 
     if config is None:
         config = architecture(planner_name(m))
     device, budget = device_budget(cfg)
-    shape = model_shape(config, t["train_layers"], name=planner_name(m))
+    shape = model_shape(config, t["train_layers"], name=planner_name(m), lora_rank=t["lora_rank"],
+                        lora_targets=t["lora_targets"])
     frozen = None
     if planner_name(m) != m["name"]:  # the frozen modules run a model of their own
         frozen = model_shape(architecture(m["name"]), 0, name=m["name"])

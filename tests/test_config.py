@@ -364,3 +364,22 @@ def test_a_half_downloaded_model_is_refused_before_loading(tiny_model_dir, tmp_p
     shutil.copy(Path(tiny_model_dir) / "model.safetensors", snapshot / "model-00002-of-00002.safetensors")
     from support.models import missing_weights
     assert missing_weights("someone/half") == [] and missing_weights(str(snapshot)) == []  # complete
+
+
+def test_a_config_file_may_start_from_a_base(tmp_path):
+    """`base: other.yaml` (relative to the file) merges that file first, then this one's keys;
+    a base's base first of all. A missing base and a cycle are refused, naming the file."""
+    (tmp_path / "a.yaml").write_text("seed: 5\ntrain: {lr: 0.5, steps: 3}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\ntrain: {lr: 0.25}\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.yaml").write_text("base: ../b.yaml\nseed: 7\n")
+    cfg = load_config(str(tmp_path / "sub" / "c.yaml"), ["train.steps=4"])
+    assert (cfg["seed"], cfg["train"]["lr"], cfg["train"]["steps"]) == (7, 0.25, 4)
+    assert "base" not in cfg
+    (tmp_path / "d.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml not found.*the base of"):
+        load_config(str(tmp_path / "d.yaml"))
+    (tmp_path / "e.yaml").write_text("base: f.yaml\n")
+    (tmp_path / "f.yaml").write_text("base: e.yaml\n")
+    with pytest.raises(ConfigError, match="without a cycle"):
+        load_config(str(tmp_path / "e.yaml"))

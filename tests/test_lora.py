@@ -17,6 +17,7 @@ from lora import LoRALinear, adapters, add_adapters, merged_state_dict, without_
 from support.config import ConfigError
 from support.optim import PlannerOptimizer
 from test_flow_grpo import EPS_HI, EPS_LO, SAMPLING, make_trajectories, rows_of
+from test_memory_plan import qwen7b  # noqa: F401 (a fixture)
 from test_train import learnable_reward, run, tiny_cfg, weights  # noqa: F401 (a fixture)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -184,3 +185,74 @@ def test_a_lora_run_resumes_bit_exactly(tiny_model_dir, tmp_path, learnable_rewa
     metrics = [[json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
                for r in ("full", "cut")]
     assert metrics[0] == metrics[1]
+
+
+# ---- The memory plan with adapters (support/device_memory.py) ---------------------------
+
+@pytest.mark.parametrize("gb, blocks", [(24, 8), (48, 28)])
+def test_the_7b_lora_configs_fit_their_cards_by_plan(qwen7b, gb, blocks):
+    """The shipped LoRA configs at the 7B shape, offline: one bf16 copy of the weights, no
+    reference copy, no fp32 masters, fp32 adapters of r (in + out) per projection counted by
+    hand, and "of N GB: fits"."""
+    from support.device_memory import GB, plan_for, reserve_bytes
+    from support.config import load_config
+    from test_memory_plan import ROOT
+    p = plan_for(load_config(str(ROOT / "configs" / f"qwen2.5-7b-lora-{gb}gb.yaml"), [f"model.name={qwen7b}"]))
+    h, I, kv, r = 3584, 18944, 512, 16
+    per_block = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + I) + (I + h))  # q, k, v, o, gate, up, down
+    assert p.shape.trained == blocks * per_block and p.shape.trained_layers == blocks
+    text = p.text()
+    assert f"of {gb}.0 GB: fits" in text and p.peak <= gb * GB
+    lines = {what: nbytes for what, nbytes, _ in p.items}
+    assert lines["LoRA adapters, fp32 (%.1fM parameters)" % (blocks * per_block / 1e6)] == 4 * blocks * per_block
+    assert lines["the reference: the same weights with the adapters off, no copy"] == 0.0
+    assert lines["AdamW moments + gradients (fp32)"] == 12 * blocks * per_block  # no masters: fp32 weights
+    assert "masters" not in text and "reference's copies" not in text
+    weights = p.items[0][1]
+    reserve = reserve_bytes(gb * GB, "cuda")
+    assert 15.0 * GB < weights < 15.5 * GB and p.resident == weights + 16 * p.shape.trained + reserve  # one copy
+    assert p.checkpoint_bytes == 12 * p.shape.trained  # the adapters and their two moments only
+
+
+def test_the_plan_counts_the_adapters_add_adapters_makes(tiny_llm, qwen7b):
+    """The plan's count (from config.json, no model) equals the parameters add_adapters
+    really adds, on the tiny model, for a subset of targets on the top block."""
+    from support.device_memory import model_shape
+    model = copy.deepcopy(tiny_llm.model)
+    params = add_adapters(model, 3, 6.0, ["q_proj", "up_proj"], 1, seed=0)
+    shape = model_shape(model.config, 1, lora_rank=3, lora_targets=["q_proj", "up_proj"])
+    assert shape.trained == sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_update_activations_with_adapters_bound_what_autograd_saves(dtype):
+    """What autograd saves for the backward of a Qwen2 with adapters on its top 2 of 4
+    blocks, counted for real, is within the plan's per-token figure (the full fine-tune's
+    plus r values per adapted projection) and not loose by more than a fifth."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from support.device_memory import model_shape, saved_per_token_layer
+    cfg = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    add_adapters(model, 16, 32.0, TARGETS, 2, seed=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    n, L = 2, 96
+    ids = torch.randint(0, 256, (n, L))
+    mask = torch.ones(n, L, dtype=torch.long)
+    mask[0, :10] = 0
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.base_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    measured = sum(saved.values()) / (n * L)
+    s = torch.finfo(getattr(torch, dtype)).bits // 8
+    shape = model_shape(cfg, 2, lora_rank=16, lora_targets=TARGETS)
+    planned = 2 * (saved_per_token_layer(shape, s, L) + len(TARGETS) * 16 * s) + (4 + s) * shape.hidden
+    assert measured <= planned <= 1.2 * measured, (measured, planned)
