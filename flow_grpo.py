@@ -51,6 +51,7 @@ how much memory and time a step takes, never what it computes (tests/test_flow_g
 """
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -135,17 +136,42 @@ def group_advantages(rewards: list[float], group_size: int, n_turns: list[int] |
     return adv.view(-1).tolist()
 
 
-# How one group's values (its kept rollouts' rewards, or with credit per turn its turn
-# rows' scores) become advantages: train.advantage names one. The paper's is "grpo"; a
-# fork registers its own with @advantage_estimator in a module listed in reward.modules,
-# and tests/test_flow_grpo.py runs every registered one through the loss.
-# name -> fn(values of one group: list[float]) -> advantages: one float per rollout
+# How values become advantages: train.advantage names an estimator. The values are each
+# kept group's rollouts' rewards (or, with credit per turn, its turn rows' scores). What
+# one call of an estimator sees is its kind, `over` (advantage_estimator's argument):
+#   "group" (the paper's "grpo" and most): fn(one group's values: list[float])
+#            -> one advantage per value;
+#   "batch": fn(every kept group's values of the step, on every rank, in rank order:
+#            list[list[float]], never empty) -> each group's advantages, in that order.
+# A fork registers its own with @advantage_estimator in a module listed in reward.modules;
+# tests/test_flow_grpo.py runs every registered one, of either kind, through the loss.
 ADVANTAGE_ESTIMATORS = Registry("train.advantage", "advantage estimator", "flow_grpo.advantage_estimator")
+ESTIMATOR_KINDS = ("group", "batch")
 
 
-def advantage_estimator(name: str):
-    """Register fn(values) -> advantages as `name` (a decorator)."""
-    return ADVANTAGE_ESTIMATORS.add(name)
+def advantage_estimator(name: str, over: str = "group"):
+    """Register fn as `name`, an estimator over one group or over the batch (a decorator)."""
+    if over not in ESTIMATOR_KINDS:
+        raise ValueError(f"advantage_estimator({name!r}): over must be 'group' or 'batch', not {over!r}")
+
+    def add(fn):
+        fn.over = over  # how estimate calls it
+        return ADVANTAGE_ESTIMATORS.add(name)(fn)
+    return add
+
+
+def estimate(estimator: str, values: list[list[float]], world=SINGLE) -> list[list[float]]:
+    """Each of this rank's kept groups' advantages from its values, by the estimator named:
+    one of its kind "group" group by group; one of kind "batch" once over every rank's
+    groups, gathered in rank order (so K ranks compute exactly what one process computes
+    over the same groups), each rank keeping its own groups' share. Every rank calls this."""
+    fn = ADVANTAGE_ESTIMATORS.named(estimator)
+    if fn.over == "group":
+        return [fn(v) for v in values]
+    parts = world.all_gather(values)  # [rank 0's groups, rank 1's, ...]
+    every = [v for part in parts for v in part]
+    first = sum(len(part) for part in parts[:world.rank])  # where this rank's groups begin
+    return fn(every)[first:first + len(values)] if every else []
 
 
 @advantage_estimator("grpo")
@@ -169,6 +195,26 @@ def rloo(values: list[float]) -> list[float]:
     rollout's baseline does not depend on its own reward."""
     total, G = sum(values), len(values)
     return [v - (total - v) / (G - 1) for v in values]
+
+
+@advantage_estimator("reinforce_pp_baseline", over="batch")
+def reinforce_pp_baseline(groups: list[list[float]]) -> list[list[float]]:
+    """REINFORCE++-baseline (Hu et al., 2025), as verl defines it
+    (compute_reinforce_plus_plus_baseline_outcome_advantage in verl/trainer/ppo/core_algos.py):
+    each value minus its group's mean, c_i = R_i - mean_g, then every c_i divided by one
+    std over the whole batch's centred values,
+        A_i = c_i / sqrt(var + 1e-8),  var = sum_i (c_i - c_mean)^2 / (n - 1)
+    over all n values of the step: Bessel's n - 1 and the 1e-8 inside the root are verl's
+    (its masked_whiten). So a group's scale is the batch's, not its own: a group whose
+    rewards barely differ keeps small advantages, where grpo would blow them up to +-1.
+    One departure: verl whitens token by token, so a response counts once per token of it
+    in the std and the mean; here each value counts once, as J weighs each rollout. The
+    batch mean c_mean of the c_i is then 0 (each group's c_i sum to 0), so verl's second
+    centring (subtracting it) is left out."""
+    centred = [[v - sum(g) / len(g) for v in g] for g in groups]  # c_i = R_i - mean of its group
+    flat = [c for g in centred for c in g]  # the n values of the step; their mean is 0
+    std = math.sqrt(sum(c * c for c in flat) / (len(flat) - 1) + 1e-8)
+    return [[c / std for c in g] for g in centred]
 
 
 def kept_groups(usable: list[bool], G: int) -> list[list[int]]:
@@ -201,27 +247,31 @@ def kept_rows(trajs, usable: list[bool], G: int, mode: str = "trajectory",
     Q_kept = sum(world.all_gather(len(groups))) if n_groups is None else n_groups  # Q'
     for tr in trajs:
         tr.advantage = None  # what is left out has none
+    turns = [{k: [t for t in trajs[k].turns if t.action_ids] for k in g} for g in groups]  # its T_i acting turns
+    paper = (mode, row_weight, estimator) == ("trajectory", "trajectory", "grpo")
+    other = None if paper else other_credit(trajs, groups, turns, Q_kept, mode, turn_scores, row_weight,
+                                            estimator, world)
     rows = []
-    for g in groups:
-        turns = {k: [t for t in trajs[k].turns if t.action_ids] for k in g}  # its T_i acting turns
-        if (mode, row_weight, estimator) == ("trajectory", "trajectory", "grpo"):  # the paper's
+    for q, g in enumerate(groups):
+        if paper:  # the paper's
             A = group_advantages([trajs[k].reward for k in g], len(g))  # A_i = (R_i-mean)/(std+eps)
-            adv = {k: [A_i] * len(turns[k]) for k, A_i in zip(g, A)}  # A_i^t = A_i: the broadcast
-            weight = {k: 1.0 / (Q_kept * len(g) * len(turns[k])) for k in g}  # 1/Q' * 1/G_q * 1/T_i
+            adv = {k: [A_i] * len(turns[q][k]) for k, A_i in zip(g, A)}  # A_i^t = A_i: the broadcast
+            weight = {k: 1.0 / (Q_kept * len(g) * len(turns[q][k])) for k in g}  # 1/Q' * 1/G_q * 1/T_i
         else:
-            A, adv, weight = other_credit(trajs, g, turns, Q_kept, mode, turn_scores, row_weight,
-                                          estimator)
+            A, adv, weight = other[q]
         for k, A_i in zip(g, A):
             trajs[k].advantage = A_i
         rows += [TurnRow(t.prompt_ids, t.action_ids, t.logprobs, a, weight[k])
-                 for k in g for t, a in zip(turns[k], adv[k])]
+                 for k in g for t, a in zip(turns[q][k], adv[k])]
     return rows, groups
 
 
-def other_credit(trajs, g: list[int], turns: dict, Q_kept: int, mode: str, turn_scores,
-                 row_weight: str, estimator: str) -> tuple[list, dict, dict]:
-    """Group g's (A, adv, weight), as kept_rows names them, under the other credit choices:
-      train.advantage      another estimator of A_i from the rewards (ADVANTAGE_ESTIMATORS);
+def other_credit(trajs, groups: list[list[int]], turns: list[dict], Q_kept: int, mode: str, turn_scores,
+                 row_weight: str, estimator: str, world=SINGLE) -> list[tuple[list, dict, dict]]:
+    """Each kept group's (A, adv, weight), as kept_rows names them, under the other credit
+    choices (every rank calls this: a batch estimator gathers the groups of all):
+      train.advantage      another estimator of A_i from the rewards (ADVANTAGE_ESTIMATORS,
+                           per group, or over the whole step's groups: estimate);
       train.advantage_mode
         turn_rows          the official code's: the same broadcast A_i, with the group's mean
                            and std over its turn rows (trajectory i counts T_i times);
@@ -232,26 +282,29 @@ def other_credit(trajs, g: list[int], turns: dict, Q_kept: int, mode: str, turn_
                            the mean of its turns', the turns' own in `turn_advantages`;
       train.row_weight: turn  each of the group's n_q turn rows weighs 1 / (Q' n_q): a long
                            trajectory weighs more. What a choice leaves is the paper's."""
-    rewards = [trajs[k].reward for k in g]
+    rewards = [[trajs[k].reward for k in g] for g in groups]
     if mode == "trajectory":
-        A = ADVANTAGE_ESTIMATORS.named(estimator)(rewards)  # A_i over the G_q rollouts
+        A = estimate(estimator, rewards, world)  # A_i over each group's G_q rollouts
     elif mode == "turn_rows":
-        A = group_advantages(rewards, len(g), [len(trajs[k].turns) for k in g], mode)
+        A = [group_advantages(r, len(g), [len(trajs[k].turns) for k in g], mode) for r, g in zip(rewards, groups)]
     elif mode == "per_turn":
         score = turn_scores if callable(turn_scores) else turn_scores.__getitem__
-        scores = [s for k in g for t, s in zip(trajs[k].turns, score(k)) if t.action_ids]
-        flat = iter(ADVANTAGE_ESTIMATORS.named(estimator)(scores))  # over the group's turn rows
-        adv = {k: [next(flat) for _ in turns[k]] for k in g}
-        for k in g:
-            trajs[k].turn_advantages = adv[k]
-        A = [sum(adv[k]) / len(adv[k]) if adv[k] else 0.0 for k in g]
+        scores = [[s for k in g for t, s in zip(trajs[k].turns, score(k)) if t.action_ids] for g in groups]
+        flat = [iter(a) for a in estimate(estimator, scores, world)]  # over each group's turn rows
+        adv = [{k: [next(f) for _ in ts[k]] for k in g} for g, ts, f in zip(groups, turns, flat)]
+        for g, adv_q in zip(groups, adv):
+            for k in g:
+                trajs[k].turn_advantages = adv_q[k]
+        A = [[sum(adv_q[k]) / len(adv_q[k]) if adv_q[k] else 0.0 for k in g] for g, adv_q in zip(groups, adv)]
     else:
         raise ValueError(f"advantage mode must be 'trajectory', 'turn_rows' or 'per_turn', not {mode!r}")
-    if mode != "per_turn":
-        adv = {k: [a] * len(turns[k]) for k, a in zip(g, A)}  # the paper's broadcast: A_i^t = A_i
+    if mode != "per_turn":  # the paper's broadcast: A_i^t = A_i
+        adv = [{k: [a] * len(ts[k]) for k, a in zip(g, A_q)} for g, ts, A_q in zip(groups, turns, A)]
     if row_weight == "turn":  # 1 / (Q' n_q) for each of the group's n_q turn rows
-        return A, adv, dict.fromkeys(g, 1.0 / (Q_kept * sum(len(ts) for ts in turns.values())))
-    return A, adv, {k: 1.0 / (Q_kept * len(g) * len(turns[k])) for k in g}  # J's 1/(Q' G_q T_i)
+        weight = [dict.fromkeys(g, 1.0 / (Q_kept * sum(len(x) for x in ts.values()))) for g, ts in zip(groups, turns)]
+    else:  # J's 1/(Q' G_q T_i)
+        weight = [{k: 1.0 / (Q_kept * len(g) * len(ts[k])) for k in g} for g, ts in zip(groups, turns)]
+    return list(zip(A, adv, weight))
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """The batched Flow-GRPO loss against a naive loop over trajectories, turns and tokens."""
 
 import copy
+import importlib.util
 import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -621,17 +626,39 @@ def test_estimators_by_hand(name, rewards, want):
     assert ADVANTAGE_ESTIMATORS[name](rewards) == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.parametrize("groups, want", [
+    # c = R - the group's mean: [3/4, -1/4, -1/4, -1/4] and [0, 0]. Their mean is 0; the
+    # batch's variance with Bessel's n - 1 over the n = 6 values: (9/16 + 3 * 1/16) / 5 = 3/20,
+    # std sqrt(0.15 + 1e-8) = 0.3872984; A = c / std: 0.75 / 0.3872984 = 1.9364917 and
+    # 0.25 / 0.3872984 = 0.6454972. (grpo divides by the group's own std, sqrt(3)/4:
+    # 1.7320508 and -0.5773503.)
+    ([[1, 0, 0, 0], [1, 1]], [[1.9364917, -0.6454972, -0.6454972, -0.6454972], [0, 0]]),
+    # c = [1/2, -1/2] and [1/2, 1/2, -1/2, -1/2]: six squares of 1/4 over 5 = 0.3, std 0.5477226;
+    # A = 0.5 / 0.5477226 = 0.9128709 (grpo: +-1 in each group).
+    ([[1, 0], [1, 1, 0, 0]], [[0.9128709, -0.9128709], [0.9128709, 0.9128709, -0.9128709, -0.9128709]]),
+    # No group with a signal: every c is 0, and so is every A (the 1e-8 keeps 0 / 0 away).
+    ([[1, 1], [0, 0]], [[0, 0], [0, 0]]),
+])
+def test_reinforce_pp_baseline_by_hand(groups, want):
+    from flow_grpo import reinforce_pp_baseline
+    got = reinforce_pp_baseline(groups)
+    assert [len(g) for g in got] == [len(g) for g in want]
+    assert [a for g in got for a in g] == pytest.approx([a for g in want for a in g], abs=1e-6)
+
+
 def estimator_gap(policy, name: str) -> tuple[float, float]:
     """(relative loss error, worst relative gradient error) of the batched loss over
     kept_rows(estimator=name) against J written as loops (reference_objective) with the
-    advantages the estimator gives each group's rewards."""
+    advantages the estimator gives: each group's rewards alone, or, for an estimator over
+    the batch (flow_grpo.ADVANTAGE_ESTIMATORS says which), all groups' at once."""
     from flow_grpo import ADVANTAGE_ESTIMATORS, kept_rows
     llm, ref = policy
     G, rewards = 3, [1, 0, 0, 1, 1, 0]
     trajs = make_trajectories(llm, 2, G, seed=12)
     for tr, r in zip(trajs, rewards):
         tr.reward = r
-    adv = [a for q in range(0, len(rewards), G) for a in ADVANTAGE_ESTIMATORS[name](rewards[q:q + G])]
+    fn, groups = ADVANTAGE_ESTIMATORS[name], [rewards[q:q + G] for q in range(0, len(rewards), G)]
+    adv = [a for A in (fn(groups) if fn.over == "batch" else [fn(g) for g in groups]) for a in A]
     cfg = LossConfig(EPS_LO, EPS_HI, 0.05)
     llm.model.zero_grad()
     J = reference_objective(llm.model, ref, trajs, adv, SAMPLING, cfg)
@@ -652,7 +679,8 @@ def registered_estimators():
 
 @pytest.mark.parametrize("name", registered_estimators())
 def test_every_registered_estimator_through_the_batched_loss(policy, name):
-    """Each estimator registered (the shipped ones and a fork's, once its module is imported)
+    """Each estimator registered, per group or over the batch (the shipped ones and a fork's,
+    once its module is imported: `python -m pytest -p MODULE tests/test_flow_grpo.py`)
     reaches the loss: the batched update over kept_rows equals J with its advantages."""
     loss_err, grad_err = estimator_gap(policy, name)
     assert loss_err < 1e-4 and grad_err < 1e-4, (loss_err, grad_err)
@@ -666,3 +694,41 @@ def test_the_estimator_check_sees_advantages_the_loss_ignores(policy, monkeypatc
     monkeypatch.setattr(flow_grpo, "kept_rows", lambda *a, estimator="grpo", **k: real(*a, **k))
     loss_err, grad_err = estimator_gap(policy, "rloo")
     assert loss_err > 1e-2 or grad_err > 1e-2
+
+
+# REINFORCE++-baseline as a fork would write it, in a module of its own: the generic test
+# above must take it as it is (an estimator over the batch, registered from outside).
+FORK_ESTIMATOR = """import math
+import flow_grpo
+
+
+@flow_grpo.advantage_estimator("rpp_fork", over="batch")
+def rpp_fork(groups):
+    centred = [[r - sum(g) / len(g) for r in g] for g in groups]
+    flat = [c for g in centred for c in g]
+    std = math.sqrt(sum(c * c for c in flat) / (len(flat) - 1) + 1e-8)
+    return [[c / std for c in g] for g in centred]
+"""
+
+
+def test_a_forks_batch_estimator_passes_the_generic_test_unchanged(tmp_path):
+    """The fork's file, loaded as docs/FORKING.md says (`python -m pytest -p MODULE`), is run
+    by the generic estimator test (only on it, here: the shipped ones run above); its
+    advantages are the shipped reinforce_pp_baseline's."""
+    from flow_grpo import ADVANTAGE_ESTIMATORS, reinforce_pp_baseline
+    assert len(FORK_ESTIMATOR.splitlines()) <= 10
+    (tmp_path / "my_rpp.py").write_text(FORK_ESTIMATOR)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "my_rpp", "-p", "no:cacheprovider",
+                           "tests/test_flow_grpo.py", "-k", "every_registered_estimator and rpp_fork"],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PASSED tests/test_flow_grpo.py::test_every_registered_estimator_through_the_batched_loss[rpp_fork]" \
+        in done.stdout, done.stdout[-3000:]
+    spec = importlib.util.spec_from_file_location("my_rpp", tmp_path / "my_rpp.py")
+    try:  # here too, registered while it is compared
+        spec.loader.exec_module(fork := importlib.util.module_from_spec(spec))
+        groups = [[1, 0, 0, 0], [1, 1], [0.5, 0.25, 0]]
+        assert fork.rpp_fork(groups) == reinforce_pp_baseline(groups)  # the same arithmetic, to the bit
+    finally:
+        ADVANTAGE_ESTIMATORS.pop("rpp_fork", None)
