@@ -45,6 +45,9 @@ INFRA = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "t
          "train.group_size=3", "agent.force_tool=Local_Search",  # with flaky(): groups lose rollouts, or all
          # a sampled executor, so that the rollouts of a group search for different commands
          "agent.executor.temperature=1.0", "agent.max_turns=1")
+# An estimator over the batch (REINFORCE++-baseline: one std over every group of the step):
+# each rank's advantages must be those of all ranks' groups at once, not of its own alone.
+BATCH = (*EQUAL, "train.advantage=reinforce_pp_baseline")
 RESUME = ("train.save_every=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=3")
 # Two ranks sum the gradient in another order than one process (per rank, then across),
 # so gradients agree to float rounding, not to the bit. AdamW divides each gradient by its
@@ -121,7 +124,7 @@ def runs(tiny_model_dir, tmp_path_factory):
             return out
         with pytest.MonkeyPatch.context() as split:
             split.setattr(AgentSystem, "rollout", as_two_ranks)
-            for name, extra in (("one", EQUAL), ("bf16_one", BF16), ("lone_one", LONE)):
+            for name, extra in (("one", EQUAL), ("bf16_one", BF16), ("lone_one", LONE), ("batch_one", BATCH)):
                 train.run(load_config(str(ROOT / "config.yaml"), tiny_overrides(tiny_model_dir, work / name, *extra)))
             from tools import LocalSearch
             split.setattr(LocalSearch, "_run", flaky(LocalSearch._run))
@@ -139,6 +142,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     torchrun([{"train": tiny_overrides(tiny_model_dir, work / "two", *EQUAL)},
               {"train": tiny_overrides(tiny_model_dir, work / "bf16_two", *BF16)},
               {"train": tiny_overrides(tiny_model_dir, work / "lone_two", *LONE)},
+              {"train": tiny_overrides(tiny_model_dir, work / "batch_two", *BATCH)},
               {"train": tiny_overrides(tiny_model_dir, work / "infra_two", *INFRA), "flaky": True},
               {"train": run_args("full", "train.steps=2")},
               {"train_main": [str(ROOT / "config.yaml"), *run_args("cut", "train.steps=1")]},  # as a user starts it
@@ -152,12 +156,13 @@ def lines(path) -> list[str]:
 
 
 @pytest.mark.parametrize("one, two", [("one", "two"), ("bf16_one", "bf16_two"), ("lone_one", "lone_two"),
-                                      ("infra_one", "infra_two")])
+                                      ("infra_one", "infra_two"), ("batch_one", "batch_two")])
 def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
     """4 queries, 2 on each rank, in 2 mini-batches (2 optimizer steps); the same in one
     step in bf16 with fp32 masters; 1 query, on rank 1, rank 0 taking the step with nothing of its
     own; 4 queries whose searches fail half the time, so that J averages over the groups
-    and rollouts kept on both ranks."""
+    and rollouts kept on both ranks; the first case again with an estimator over the batch,
+    whose advantages (in the trajectories) are the one process's to the bit."""
     name, one, two = two, runs / one, runs / two
     # The union of the ranks' rollouts is the reference's, to the bit: tokens, tools, answers,
     # rewards, advantages (the group index is the global one).
@@ -193,7 +198,7 @@ def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
     assert not list(two.glob("*rank*")) and (two / "run.json").exists()  # rank 0 alone writes in out_dir
 
 
-@pytest.mark.parametrize("name", ["two", "bf16_two", "lone_two", "infra_two"])
+@pytest.mark.parametrize("name", ["two", "bf16_two", "lone_two", "infra_two", "batch_two"])
 def test_the_compared_steps_learn(runs, tiny_model_dir, name):
     """The steps compared above carry a signal and move every trained tensor (in the lone
     case through rank 1's gradient alone): the comparison is not of runs that did nothing.
@@ -207,6 +212,18 @@ def test_the_compared_steps_learn(runs, tiny_model_dir, name):
         masters = torch.load(runs / name / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)["masters"]
         after = dict(zip(after, masters))  # the masters follow the trainable weights' order
     assert all(not torch.equal(start[k].to(after[k].dtype), after[k]) for k in after)
+
+
+def test_an_estimator_over_the_batch_sees_both_ranks_groups(runs):
+    """REINFORCE++-baseline on 2 ranks: the advantages written are those of the 4 groups'
+    rewards at once, which differ from each rank normalising its own 2 groups."""
+    from flow_grpo import reinforce_pp_baseline
+    trajs = [json.loads(x) for x in lines(runs / "batch_two" / "trajectories" / "step_1.jsonl")]
+    groups = [[tr["reward"] for tr in trajs[q:q + G]] for q in range(0, len(trajs), G)]
+    written = [tr["advantage"] for tr in trajs]
+    assert len(groups) == 4 and written == [a for A in reinforce_pp_baseline(groups) for a in A]
+    alone = [a for A in reinforce_pp_baseline(groups[:2]) + reinforce_pp_baseline(groups[2:]) for a in A]
+    assert alone != written
 
 
 def test_a_sharded_evaluation_resumes_and_writes_what_one_process_writes(runs):
