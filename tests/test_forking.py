@@ -157,6 +157,20 @@ def test_recipe_5_an_advantage_estimator(fork, tiny_model_dir, monkeypatch):
         assert [a["advantage"], b["advantage"]] == want
 
 
+def test_recipe_5_an_estimator_over_the_batch(fork, tiny_model_dir, monkeypatch):
+    """The recipe's other estimator, as its text says to run it: each advantage is the reward
+    minus the mean reward of the whole step, whichever group the rollout is in."""
+    monkeypatch.setattr(judge, "score_item", lambda answer, *item: {"correct": len(answer) % 2 == 1, "f1": 0.0,
+                                                                     "extracted": answer})
+    out = run_recipe(5, fork, f"model.name={tiny_model_dir}", "train.train_layers=2", "train.queries_per_step=4",
+                     "agent.generator.temperature=1.0", "train.advantage=batch_centred")
+    trajs = [json.loads(line) for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines()]
+    rewards = [tr["reward"] for tr in trajs]
+    assert len(set(rewards)) > 1, "every reward the same: nothing is checked"
+    mean = sum(rewards) / len(rewards)
+    assert [tr["advantage"] for tr in trajs] == pytest.approx([r - mean for r in rewards], abs=1e-12)
+
+
 def test_recipe_6_a_planner_view(fork, tiny_model_dir):
     out = run_recipe(6, fork, f"model.name={tiny_model_dir}", "train.train_layers=2")
     for line in (out / "trajectories" / "step_1.jsonl").read_text().splitlines():
