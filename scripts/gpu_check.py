@@ -4,7 +4,7 @@ training run, in one command, each check PASS or FAIL against a stated threshold
     python -m scripts.gpu_check                  # on CUDA: a few minutes on one large GPU
     python -m scripts.gpu_check --device cpu     # the same checks at toy sizes (tests/test_gpu_check.py)
     python -m scripts.gpu_check --only train     # one part: sampler, stops, loss, onpolicy, speed, memory, train,
-                                                 #   paper
+                                                 #   paper, lora24
 
 Not part of the paper: what a machine with a GPU must confirm before
 configs/qwen2.5-7b-1gpu.yaml is trusted there, since the tests run on CPUs. It builds
@@ -35,6 +35,9 @@ a config with random weights (a GPU box may have no route to the model hub), and
             evaluations off): it trains both steps, its start-up turns on expandable
             segments, its peaks stay within its plan. The part to run before trusting an
             hour of the paper's setup (tens of minutes: it writes and loads 15 GB).
+  lora24    `python train.py configs/qwen2.5-7b-lora-24gb.yaml`, two steps at the 7B shape on
+            random weights, in a process capped at 24 GB of GPU memory: the 24 GB card's
+            claim, proven on a larger card (its peaks against its plan and the cap).
 
 Prints `name: value` for each figure and `CHECK name: value <op> limit PASS|FAIL` for
 each check; exits 1 if one fails. THRESHOLDS below is every limit, with why.
@@ -120,6 +123,10 @@ THRESHOLDS = {
     "paper_expandable_segments": ("==", 1, "train.py's own start-up turns them on (every segment is expandable)"),
     "paper_allocated_peak_over_plan": ("<=", 1.0, "the most the run's tensors held in a step / the plan's peak"),
     "paper_reserved_peak_over_budget": ("<=", 1.0, "the most its allocator reserved / the budget it was planned in"),
+    "lora24_exit_code": ("==", 0, "train.py runs configs/qwen2.5-7b-lora-24gb.yaml through two steps, capped at 24 GB"),
+    "lora24_steps_updated": ("==", 2, "both steps train the adapters"),
+    "lora24_allocated_peak_over_plan": ("<=", 1.0, "the most the run's tensors held in a step / the plan's peak"),
+    "lora24_reserved_peak_over_cap": ("<=", 1.0, "the most its allocator reserved / 24 GB"),
 }
 OPS = {"<": float.__lt__, "<=": float.__le__, "==": float.__eq__, ">=": float.__ge__, ">": float.__gt__}
 
@@ -597,6 +604,51 @@ def check_paper(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
     (~0.5 GB) is outside the run's plan. Disk: the random model's 15 GB beside what the
     plan's disk line asks (45 GB as shipped; `--set train.train_layers=4`: 26 GB, where the
     disk is smaller; the run's preflight refuses a disk that cannot hold it)."""
+    rows, plan = run_7b_config(r, z, dev, "paper", "configs/qwen2.5-7b-1gpu.yaml", tokenizer, overrides)
+    if rows is None or dev != "cuda":
+        return
+    r.check("paper_expandable_segments", min(float(row["gpu_expandable_segments"]) for row in rows))
+    r.check("paper_allocated_peak_over_plan", max(row["gpu_allocated_peak_gb"] for row in rows) * device_memory.GB
+            / plan.peak)
+    r.check("paper_reserved_peak_over_budget", max(row["gpu_reserved_peak_gb"] for row in rows) * device_memory.GB
+            / plan.budget)
+
+
+LORA24_GB = 24.0
+
+
+def check_lora24(r: Report, z: dict, dev: str, tokenizer: str | None = None, overrides: tuple = ()) -> None:
+    """`python train.py configs/qwen2.5-7b-lora-24gb.yaml` (LoRA, memory_gb 24) two steps on a
+    random model of Qwen2.5-7B's shape, in a process whose allocator is capped at 24 GB
+    (torch.cuda.set_per_process_memory_fraction): a larger card proves the 24 GB claim, since
+    the run fails with out-of-memory past the cap. Its peaks against its plan and the cap."""
+    rows, plan = run_7b_config(r, z, dev, "lora24", "configs/qwen2.5-7b-lora-24gb.yaml", tokenizer, overrides,
+                               cap_gb=LORA24_GB if dev == "cuda" else None)
+    if rows is None or dev != "cuda":
+        return
+    r.check("lora24_allocated_peak_over_plan", max(row["gpu_allocated_peak_gb"] for row in rows) * device_memory.GB
+            / plan.peak)
+    r.check("lora24_reserved_peak_over_cap", max(row["gpu_reserved_peak_gb"] for row in rows) / LORA24_GB)
+
+
+# Runs train.py in a process whose CUDA allocator may hold at most argv[1] bytes. The
+# allocator setting is train.main's own, made here because the cap starts CUDA first.
+CAPPED_RUN = """import os, runpy, sys
+from support.device_memory import use_expandable_segments
+use_expandable_segments()
+import torch
+torch.cuda.set_per_process_memory_fraction(float(sys.argv[1]) / torch.cuda.get_device_properties(0).total_memory)
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_7b_config(r: Report, z: dict, dev: str, part: str, yaml: str, tokenizer: str | None, overrides: tuple,
+                  cap_gb: float | None = None):
+    """Build a random bf16 model of the card's shape, run `yaml` on it through train.py for two
+    steps with the stand-ins above (on a CPU at the shrunk shape), check `part`_exit_code and
+    `part`_steps_updated; (metrics.jsonl's rows, the run's plan on CUDA), or (None, None)
+    when it failed. cap_gb: the run's allocator capped at that many GB (CAPPED_RUN)."""
     from transformers import AutoTokenizer
 
     from support.config import load_config
@@ -617,39 +669,36 @@ def check_paper(r: Report, z: dict, dev: str, tokenizer: str | None = None, over
         del model
         if dev == "cuda":
             torch.cuda.empty_cache()
-        r.figure("paper_model_built_s", time.perf_counter() - t0)
+        r.figure(f"{part}_model_built_s", time.perf_counter() - t0)
         (tmp / "gpu_check_reward.py").write_text(REWARD_MODULE)
         args = [f"model.name={tmp / 'model'}", f"out_dir={tmp / 'run'}", *PAPER_STAND_INS,
                 *(PAPER_CPU if dev == "cpu" else []), *overrides]
         env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         env["PYTHONPATH"] = os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])
+        launch = ["-c", CAPPED_RUN, str(cap_gb * device_memory.GB)] if cap_gb else []
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "train.py", "configs/qwen2.5-7b-1gpu.yaml", *args], cwd=ROOT,
+        p = subprocess.run([sys.executable, *launch, "train.py", yaml, *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=3600, env=env)
-        r.figure("paper_run_s", time.perf_counter() - t0)
+        r.figure(f"{part}_run_s", time.perf_counter() - t0)
         print("\n".join(line for line in p.stdout.splitlines() if line.startswith(("memory plan", "  ", "disk",
                                                                                    "evaluation", "whole run"))),
               flush=True)
         if p.returncode:
             print((p.stdout + p.stderr)[-3000:], flush=True)
-        r.check("paper_exit_code", p.returncode)
+        r.check(f"{part}_exit_code", p.returncode)
         if p.returncode:
-            return
+            return None, None
         rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-        r.check("paper_steps_updated", sum(1 for row in rows if row["optimizer_steps"]))
+        r.check(f"{part}_steps_updated", sum(1 for row in rows if row["optimizer_steps"]))
         for row in rows:
-            r.figure(f"paper_step_{row['step']}_s", row["time_rollout"] + row["time_judge"] + row["time_update"])
-        if dev != "cuda":
-            return
-        plan = device_memory.plan_for(load_config(str(ROOT / "configs" / "qwen2.5-7b-1gpu.yaml"), args))
-        r.check("paper_expandable_segments", min(float(row["gpu_expandable_segments"]) for row in rows))
-        GBs = [(row["gpu_allocated_peak_gb"], row["gpu_reserved_peak_gb"]) for row in rows]
-        r.check("paper_allocated_peak_over_plan", max(a for a, _ in GBs) * device_memory.GB / plan.peak)
-        r.check("paper_reserved_peak_over_budget", max(b for _, b in GBs) * device_memory.GB / plan.budget)
+            r.figure(f"{part}_step_{row['step']}_s", row["time_rollout"] + row["time_judge"] + row["time_update"])
+        plan = device_memory.plan_for(load_config(str(ROOT / yaml), args)) if dev == "cuda" else None
+        return rows, plan
 
 
 PARTS = {"sampler": check_sampler, "stops": check_stops, "loss": check_loss, "onpolicy": check_onpolicy,
-         "speed": check_speed, "train": check_train, "memory": check_memory, "paper": check_paper}
+         "speed": check_speed, "train": check_train, "memory": check_memory, "paper": check_paper,
+         "lora24": check_lora24}
 
 
 def main(argv=None) -> int:
@@ -669,7 +718,7 @@ def main(argv=None) -> int:
     for name in args.only or PARTS:
         start = time.time()
         try:  # one part's crash is its failure; the parts after it still run
-            if name in ("train", "paper"):
+            if name in ("train", "paper", "lora24"):
                 PARTS[name](r, z, dev, args.tokenizer, args.set)
             else:
                 PARTS[name](r, z, dev)

@@ -19,7 +19,7 @@ Z = gpu_check.SIZES["cpu"]
 def run(part: str, capsys, *args) -> dict:
     """Run one part on the CPU; {check name: "PASS" | "FAIL"} and the figures printed."""
     r = gpu_check.Report("cpu")
-    if part in ("train", "paper"):
+    if part in ("train", "paper", "lora24"):
         gpu_check.PARTS[part](r, Z, "cpu", *args)
     else:
         gpu_check.PARTS[part](r, Z, "cpu")
@@ -33,7 +33,8 @@ def test_gpu_check_runs_on_a_cpu_and_passes(capsys):
     verdicts = dict(re.findall(r"^CHECK (\w+): .* (PASS|FAIL) ", out, re.M))
     assert set(verdicts.values()) == {"PASS"}
     cuda_only = {n for n in gpu_check.THRESHOLDS if n.startswith(("memory_", "speed_static"))}
-    cuda_only |= {"paper_expandable_segments", "paper_allocated_peak_over_plan", "paper_reserved_peak_over_budget"}
+    cuda_only |= {"paper_expandable_segments", "paper_allocated_peak_over_plan", "paper_reserved_peak_over_budget",
+                  "lora24_allocated_peak_over_plan", "lora24_reserved_peak_over_cap"}
     assert set(verdicts) == set(gpu_check.THRESHOLDS) - cuda_only  # every other check ran
     assert "failed: none" in out and "memory: skipped" in out
 
@@ -148,6 +149,9 @@ BREAKS = {
     # a run that ends after its first step: step 2, with AdamW's moments resident, never runs
     "paper_steps_updated": ("paper", lambda mp: mp.setattr(gpu_check, "PAPER_STAND_INS", [
         "train.steps=1" if a == "train.steps=2" else a for a in gpu_check.PAPER_STAND_INS])),
+    "lora24_exit_code": ("lora24", lambda mp: mp.setattr(gpu_check, "ROOT", gpu_check.ROOT / "docs")),
+    "lora24_steps_updated": ("lora24", lambda mp: mp.setattr(gpu_check, "PAPER_STAND_INS", [
+        "train.steps=1" if a == "train.steps=2" else a for a in gpu_check.PAPER_STAND_INS])),
 }
 
 
@@ -177,7 +181,9 @@ def test_every_check_has_a_way_to_fail():
                "speed_static_rows_differing_from_step": "CUDA only; tests/test_graph_decode.py holds the graph "
                                                         "block to the eager step on a CPU",
                **dict.fromkeys(("paper_expandable_segments", "paper_allocated_peak_over_plan",
-                                "paper_reserved_peak_over_budget"), "test_the_paper_parts_cuda_checks_on_given_figures")}
+                                "paper_reserved_peak_over_budget"), "test_the_paper_parts_cuda_checks_on_given_figures"),
+               **dict.fromkeys(("lora24_allocated_peak_over_plan", "lora24_reserved_peak_over_cap"),
+                               "test_the_lora24_parts_cuda_checks_on_given_figures")}
     assert set(gpu_check.THRESHOLDS) == set(BREAKS) | set(by_twin)
 
 
@@ -240,3 +246,58 @@ def test_a_part_that_crashes_fails_and_the_rest_still_run(monkeypatch, capsys):
     assert gpu_check.main(["--device", "cpu", "--only", "stops", "--only", "loss"]) == 1
     out = capsys.readouterr().out
     assert "failed: stops (crashed)" in out and "CHECK loss_bf16_grad_rel_err" in out
+
+
+@pytest.mark.parametrize("change, failing", [
+    ({}, None),
+    ({"gpu_allocated_peak_gb": 11.0}, "lora24_allocated_peak_over_plan"),
+    ({"gpu_reserved_peak_gb": 24.5}, "lora24_reserved_peak_over_cap"),
+])
+def test_the_lora24_parts_cuda_checks_on_given_figures(change, failing, monkeypatch, capsys):
+    """The lora24 part's CUDA branch on a CPU: train.py is started through the 24 GB cap
+    (CAPPED_RUN, then train.py and the LoRA config), its run stood in for by two rows of
+    metrics.jsonl, its plan by a peak of 10 GB; each check fails when its figure is over."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    build = gpu_check.build_model
+    monkeypatch.setattr(gpu_check, "build_model", lambda shape, dev, dtype: build(Z["card"], "cpu", dtype))
+
+    def on_the_gpu(cmd, cwd, capture_output, text, timeout, env):
+        assert cmd[1:4] == ["-c", gpu_check.CAPPED_RUN, str(24 * GB)]
+        assert cmd[4:6] == ["train.py", "configs/qwen2.5-7b-lora-24gb.yaml"]
+        out = Path(next(a for a in cmd if a.startswith("out_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        rows = [{"step": step, "optimizer_steps": 1, "time_rollout": 60.0, "time_judge": 1.0, "time_update": 30.0,
+                 **ON_CUDA, **(change if step == 2 else {})} for step in (1, 2)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(gpu_check.subprocess, "run", on_the_gpu)
+    monkeypatch.setattr(gpu_check.device_memory, "plan_for", lambda cfg: types.SimpleNamespace(peak=10 * GB,
+                                                                                                budget=24 * GB))
+    r = gpu_check.Report("cuda")
+    gpu_check.check_lora24(r, Z, "cuda")
+    assert r.checked == ["lora24_exit_code", "lora24_steps_updated", "lora24_allocated_peak_over_plan",
+                         "lora24_reserved_peak_over_cap"]
+    assert r.failed == ([failing] if failing else [])
+
+
+def test_the_capped_launcher_caps_then_runs_the_script(monkeypatch):
+    """CAPPED_RUN: the allocator setting first, then the fraction cap / the card's total,
+    then the script with its own arguments, as `python train.py ...` would run it."""
+    import os
+    import runpy
+    import sys
+
+    seen = {}
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f: seen.update(fraction=f, conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    monkeypatch.setattr(runpy, "run_path", lambda path, run_name: seen.update(path=path, argv=list(sys.argv),
+                                                                             name=run_name))
+    monkeypatch.setattr(sys, "argv", ["-c", str(24 * GB), "train.py", "configs/x.yaml", "seed=1"])
+    exec(gpu_check.CAPPED_RUN, {})
+    assert seen == {"fraction": 0.3, "conf": "expandable_segments:True", "path": "train.py",
+                    "argv": ["train.py", "configs/x.yaml", "seed=1"], "name": "__main__"}
