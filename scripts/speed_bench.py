@@ -40,6 +40,13 @@ side by side in one run, on the default model (SmolLM2-135M), each figure as `na
      (`prefill_s_b32`), that bounds the lead over `generate` any sampler built on these
      matmuls can have: `sampler_vs_generate_ceiling_b32`.
 
+  5. LoRA (lora.py): the sampler at b32 with rank-16 adapters on every projection of the
+     default's 4 trained blocks (and of all 30) against the same model without (B random, as
+     after training: the adapters' arithmetic runs unmerged in every decode step), timed in
+     turns. Goal: at most 15% slower. Then one update (flow_grpo.policy_update: 32 planner
+     rows, the loss's forward and backward, AdamW) with those adapters against the full
+     fine-tune of the same 4 blocks (config.yaml's).
+
 Figures move with the machine's load: the '#' header says what it was.
 """
 
@@ -54,15 +61,18 @@ import torch
 from transformers.cache_utils import Cache
 
 import engine
+import lora as lora_lib
 from agentflow import PLANNER_SYSTEM
 from engine import LLM, SamplingParams
 from eval import build_agent
+from flow_grpo import LossConfig, TurnRow, UpdateConfig, frozen_reference, policy_update
 from support import batching
 from support.batching import MIN_SHARED, common_prefix_len, shared_text_groups
-from support.config import load_config
+from support.config import DEFAULTS, load_config
 from support.datasets import read_jsonl
 from support.kv_cache import PreallocatedLayer
 from support.models import DEFAULT_MODEL, load_model
+from support.optim import PlannerOptimizer
 from support.provenance import cpu_name
 from tools import TOOL_CLASSES, build_tools
 
@@ -322,6 +332,44 @@ def linear_only(llm: LLM, args, tp: dict) -> None:
     print(f"# linear-only: {len(linears)} linear layers per decode step, {linears[0].weight.dtype}")
 
 
+def lora(llm: LLM, args, questions: list[str]) -> None:
+    """Part 5: the sampler and the update with adapters against without."""
+    no_eos = copy.copy(llm)
+    no_eos.eos_ids = [-1]  # every row runs the full NEW tokens
+    params, B = SamplingParams(temperature=1.0, max_new_tokens=NEW), 32
+    prompts = [llm.chat_ids(SYSTEMS[i % len(SYSTEMS)], questions[i % len(questions)]) for i in range(B)]
+    run_b32 = lambda: no_eos.sample(prompts, params, seed=B)
+    for name, blocks in (("lora", 4), ("lora_all_blocks", 0)):
+        adapted = copy.deepcopy(llm.model)
+        lora_lib.add_adapters(adapted, 16, 32.0, DEFAULTS["train"]["lora_targets"], blocks, seed=0)
+        with torch.no_grad():  # B = 0 would be the base's arithmetic plus zeros; make them count
+            for layer in lora_lib.adapters(adapted).values():
+                layer.lora_B.normal_(0, 0.01)
+        t_base, t_lora = versus(args.device, run_b32, lambda: patch.object(no_eos, "model", adapted))
+        show(f"{name}_sampler_tokens_per_s_b{B}", B * NEW / t_lora)
+        show(f"{name}_sampler_slowdown_b{B}", t_lora / t_base)
+    # One update of 32 planner rows: the default's full fine-tune of the top 4 blocks, then
+    # rank-16 adapters on them, each from the untrained weights, each on its own model copy.
+    planner = SamplingParams(1.0, max_new_tokens=16)
+    rows = [TurnRow(p, s.ids, s.logprobs, (-1.0) ** k, 1 / B)
+            for k, (p, s) in enumerate(zip(prompts, llm.sample(prompts, planner, seed=1)))]
+
+    def update(rank: int):
+        model = copy.deepcopy(llm.model)
+        trained = lora_lib.trained_weights(model, {**DEFAULTS["train"], "train_layers": 4, "lora_rank": rank})
+        ref, opt = frozen_reference(model, trained), PlannerOptimizer(trained, lr=1e-4)
+        return lambda: policy_update(model, ref, opt, rows, planner, LossConfig(0.2, 0.3, 0.2),
+                                     UpdateConfig(micro_batch=16), llm.pad_id)
+
+    full, adapters = update(0), update(16)
+    full(), adapters()  # warm-up
+    t_full = min(clock(args.device, full) for _ in range(3))
+    t_lora = min(clock(args.device, adapters) for _ in range(3))
+    show("update_full_s_32_rows", t_full)
+    show("update_lora_s_32_rows", t_lora)
+    show("update_lora_vs_full", t_lora / t_full)
+
+
 def show(name: str, value: float) -> None:
     print(f"{name}: {value:.3f}" if value < 10 else f"{name}: {value:.1f}", flush=True)
 
@@ -346,6 +394,7 @@ def main() -> None:
     rollouts(args, questions)
     roofline(llm, args, tp["sampler_tokens_per_s_b64"])
     linear_only(llm, args, tp)
+    lora(llm, args, questions)
     print(f"# total {time.perf_counter() - t0:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
