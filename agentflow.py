@@ -54,7 +54,7 @@ import string
 from dataclasses import dataclass, field, replace
 
 from engine import LLM, SamplingParams
-from memory import PLANNER_VIEWS, Memory
+from memory import ERROR_CHARS, PLANNER_VIEWS, Memory
 from support.config import ConfigError
 from support.seeds import derive_seed
 from support.text import cut
@@ -179,16 +179,45 @@ class AgentSystem:
                     tr.done = True
 
         # Generator: o = G(q, M^T), one batched call.
-        gprompts = [self.frozen.chat_ids(self.prompts["generator_system"], self.prompts["generator_user"].format(
-            query=tr.query, memory=tr.memory.render()), "Answer:") for tr in trajs]
+        gprompts = [self.generator_prompt(tr.query, tr.memory) for tr in trajs]
         for tr, smp in zip(trajs, self.frozen.sample(gprompts, self.cfg.generator, derive_seed("generator", seed))):
             tr.answer = smp.text.strip()
             tr.log.append({"module": "generator", "output": tr.answer})
         return trajs
 
+    # Each module's prompt as token ids, ending where its reply begins: the one place each
+    # is laid out (the turn loop builds them here, and so does longest_prompts).
+
     def planner_prompt(self, query: str, memory: Memory, turn: int, max_turns: int) -> list[int]:
         """The planner's state (q, K, M^t) as token ids, ending where its action begins."""
         return self.planner.chat_ids(self.planner_system, self.planner_user(query, memory, turn, max_turns), "Tool:")
+
+    def executor_prompt(self, query: str, memory: Memory, sub_goal: str, tool: Tool) -> list[int]:
+        """The executor's prompt for one planned step, ending where the tool's input begins:
+        after the tool's prefix and its forced start (input_start)."""
+        return self.frozen.chat_ids(self.executor_system, self.prompts["executor_user"].format(
+            query=query, memory=memory.render(), tool=tool.name, sub_goal=sub_goal),
+            tool.input_prefix + self.input_start(tool))
+
+    def input_start(self, tool: Tool) -> str:
+        """What a tool's input is forced to begin with: agent.code_start for a tool that writes
+        code, nothing for the others."""
+        return self.cfg.code_start if tool.writes_code else ""
+
+    def verifier_prompt(self, query: str, memory: Memory) -> list[int]:
+        """The verifier's general question: does the whole memory answer the query?"""
+        return self.frozen.chat_ids(self.prompts["verifier_system"], self.prompts["verifier_user"].format(
+            query=query, memory=memory.render()), "Conclusion:")
+
+    def check_prompt(self, tool: str, result: str, query: str) -> list[int]:
+        """The Check of `tool` (the one that ran last): its question about its output `result`."""
+        return self.frozen.chat_ids(self.check_system[tool], self.prompts["check_user"].format(
+            result=result, query=query), self.tools[tool].check.label)
+
+    def generator_prompt(self, query: str, memory: Memory) -> list[int]:
+        """The generator's prompt, o = G(q, M^T)."""
+        return self.frozen.chat_ids(self.prompts["generator_system"], self.prompts["generator_user"].format(
+            query=query, memory=memory.render()), "Answer:")
 
     def planner_user(self, query: str, memory: Memory, turn: int, max_turns: int) -> str:
         """The part of the planner's prompt that is this trajectory's own: the question, its
@@ -209,19 +238,12 @@ class AgentSystem:
             rows_of.setdefault(tool if tool in self.check_system else "", []).append(i)
         for tool, rows in rows_of.items():
             if not tool:  # the general question
-                prompts = [self.frozen.chat_ids(
-                    self.prompts["verifier_system"],
-                    self.prompts["verifier_user"].format(query=live[i].query,
-                                                         memory=live[i].memory.render()),
-                    "Conclusion:") for i in rows]
+                prompts = [self.verifier_prompt(live[i].query, live[i].memory) for i in rows]
                 stop_token, params = self.stop_token, self.verifier_params
             else:  # the Check of the tool that ran last
-                check, last = self.tools[tool].check, [live[i].memory.records[-1] for i in rows]
-                prompts = [self.frozen.chat_ids(
-                    self.check_system[tool],
-                    self.prompts["check_user"].format(result=r.result or r.error, query=live[i].query),
-                    check.label) for i, r in zip(rows, last)]
-                stop_token = self.yes_token if check.stop_if == "Yes" else self.no_token
+                last = [live[i].memory.records[-1] for i in rows]
+                prompts = [self.check_prompt(tool, r.result or r.error, live[i].query) for i, r in zip(rows, last)]
+                stop_token = self.yes_token if self.tools[tool].check.stop_if == "Yes" else self.no_token
                 params = self.check_params
             for i, smp in zip(rows, self.frozen.sample(prompts, params, seed)):
                 stops[i] = smp.ids[:1] == [stop_token]
@@ -230,19 +252,78 @@ class AgentSystem:
     def _execute(self, live, plans, valid, turn, seed) -> dict[int, str]:
         # The tool input starts with `start`: code_start for Python (config.yaml forces
         # "print(" so a 135M model writes one printed expression, not an uncalled def).
-        starts = {i: self.cfg.code_start if self.tools[plans[i].tool].writes_code else "" for i in valid}
-        prompts = []
-        for i in valid:
-            tool = self.tools[plans[i].tool]
-            prompts.append(self.frozen.chat_ids(self.executor_system, self.prompts["executor_user"].format(
-                query=live[i].query, memory=live[i].memory.render(), tool=tool.name,
-                sub_goal=plans[i].sub_goal or live[i].query), tool.input_prefix + starts[i]))
+        starts = {i: self.input_start(self.tools[plans[i].tool]) for i in valid}
+        prompts = [self.executor_prompt(live[i].query, live[i].memory, plans[i].sub_goal or live[i].query,
+                                        self.tools[plans[i].tool]) for i in valid]
         stops = [self.tools[plans[i].tool].input_stops for i in valid]
         commands = {}
         for i, smp in zip(valid, self.frozen.sample(prompts, self.cfg.executor, seed, row_stops=stops)):
             commands[i] = (starts[i] + smp.text).strip()
             live[i].log.append({"module": "executor", "turn": turn, "tool": plans[i].tool, "output": commands[i]})
         return commands
+
+
+# ----------------------------------------------------------------------------------------
+# The longest call of each module, before any weights load (the preflight's)
+
+# A memory block of M characters counts as M tokens: a byte-level BPE or a SentencePiece
+# vocabulary holds every ASCII character as a token of its own, so ASCII text never needs
+# more tokens than characters (merges only lower the count). Text far from ASCII (a web page
+# in Chinese, say) can need more, up to a token per byte: this bound does not cover it.
+TOKENS_PER_CHAR = 1
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """The most tokens one module's call can hold: its prompt's own text (system prompt with
+    the tools' cards or examples, chat template, the user prompt's words, the forced start
+    of the reply), measured with the tokenizer, and the parts the config bounds, each
+    (tokens, what and which key bounds it), its reply among them. The question is the
+    data's and bounded by no key: it comes on top."""
+    text: int
+    parts: tuple[tuple[int, str], ...]
+
+    @property
+    def total(self) -> int:
+        return self.text + sum(n for n, _ in self.parts)
+
+
+class TokenizerOnly:
+    """What AgentSystem reads of an LLM to lay out its prompts, from the tokenizer alone."""
+    chat_ids = LLM.chat_ids  # the very chat formatting of the engine
+
+    def __init__(self, tok):
+        self.tok = tok
+
+
+def longest_prompts(cfg: dict, planner_tok, frozen_tok) -> dict[str, PromptBound]:
+    """Each module's longest call under the config, from the tokenizers alone (what
+    support/models.check_models holds against the models' positions): its prompt as
+    AgentSystem lays it out for an empty question and an empty memory, plus the memory at
+    its cap (agent.memory_budget_chars: the planner's view and Memory.render are cut to it)
+    at TOKENS_PER_CHAR, the other parts the config bounds, and its reply. The executor: its
+    longest tool, the planner's sub-goal at most the planner's reply. The verifier: the
+    longer of its general question and each tool's Check, whose result the memory keeps to
+    agent.result_chars (an error to ERROR_CHARS). The tools are read from their classes, as
+    their cards and examples are: nothing is built."""
+    from tools import TOOL_CLASSES
+    a = cfg["agent"]
+    agent = AgentSystem(TokenizerOnly(planner_tok), TokenizerOnly(frozen_tok),
+                        {name: TOOL_CLASSES[name] for name in a["tools"]}, agent_config(a))
+    empty, T = Memory(a["memory_budget_chars"], a["result_chars"]), a["max_turns"]
+    memory = (a["memory_budget_chars"] * TOKENS_PER_CHAR, "of memory (agent.memory_budget_chars)")
+    reply = lambda m: (a[m]["max_new_tokens"], f"of reply (agent.{m}.max_new_tokens)")  # noqa: E731
+    verdict = (agent.verifier_params.max_new_tokens, "of reply (its one forced word)")
+    result = (max(a["result_chars"], ERROR_CHARS) * TOKENS_PER_CHAR, "of checked result (agent.result_chars)")
+    sub_goal = (a["planner"]["max_new_tokens"], "of the planner's sub-goal (agent.planner.max_new_tokens)")
+    executor = [PromptBound(len(agent.executor_prompt("", empty, "", t)), (memory, sub_goal, reply("executor")))
+                for t in agent.tools.values()]
+    verifier = [PromptBound(len(agent.verifier_prompt("", empty)), (memory, verdict))]
+    verifier += [PromptBound(len(agent.check_prompt(name, "", "")), (result, verdict)) for name in agent.check_system]
+    total = lambda bound: bound.total  # noqa: E731
+    return {"planner": PromptBound(len(agent.planner_prompt("", empty, T, T)), (memory, reply("planner"))),
+            "executor": max(executor, key=total), "verifier": max(verifier, key=total),
+            "generator": PromptBound(len(agent.generator_prompt("", empty)), (memory, reply("generator")))}
 
 
 # ----------------------------------------------------------------------------------------

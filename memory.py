@@ -32,6 +32,8 @@ from support.text import cut
 
 
 EMPTY = "(empty: no tool has been used yet)"  # how an empty memory reads in a prompt
+# What a record keeps of each field, in characters (a result: the memory's result_chars).
+SUB_GOAL_CHARS, COMMAND_CHARS, ERROR_CHARS = 200, 300, 200
 
 
 @dataclass
@@ -67,9 +69,9 @@ class Memory:
     def add(self, sub_goal: str, tool: str, command: str, result: str, error: str = "",
             verdict: str = "", infra: bool = False) -> TurnRecord:
         """f_mem: append this turn's record. Deterministic: no clock, no randomness."""
-        rec = TurnRecord(turn=len(self.records) + 1, sub_goal=cut(sub_goal.strip(), 200), tool=tool,
-                         command=cut(command.strip(), 300), result=cut(result.strip(), self.result_chars),
-                         error=cut(error.strip(), 200), verdict=verdict, infra=infra)
+        rec = TurnRecord(turn=len(self.records) + 1, sub_goal=cut(sub_goal.strip(), SUB_GOAL_CHARS), tool=tool,
+                         command=cut(command.strip(), COMMAND_CHARS), result=cut(result.strip(), self.result_chars),
+                         error=cut(error.strip(), ERROR_CHARS), verdict=verdict, infra=infra)
         self.records.append(rec)
         return rec
 

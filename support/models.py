@@ -134,11 +134,16 @@ def check_model(key: str, name: str, train_layers: int = 0, positions: int = 0) 
                 f"can be built from it; a model folder needs its tokenizer's files (tokenizer.json or "
                 f"tokenizer.model, tokenizer_config.json): copy them in from the model it was made from"]
     try:
-        config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        return [f"{key}: cannot read the config or tokenizer of {name}; a model folder needs config.json and its "
-                f"tokenizer's files (tokenizer.json or tokenizer.model, tokenizer_config.json). "
-                f"{type(e).__name__}: {str(e).splitlines()[0]}"]
+        return [f"{key}: cannot read the config.json of {name}, which a model folder needs. "
+                f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"]
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a broken file fails as a KeyError, a JSON or a tokenizers error, ...: all say the same
+        return [f"{key}: no tokenizer can be built from the files of {name} ({type(e).__name__}: "
+                f"{(str(e).splitlines() or [''])[0]}); a model folder needs its tokenizer's files (tokenizer.json or "
+                f"tokenizer.model, tokenizer_config.json) as the model they come from wrote them: copy them in again"]
     problems = []
     if not getattr(tok, "chat_template", None):
         problems.append(f"{key}: {name} has no chat template (its tokenizer_config.json names none), and every "
@@ -147,12 +152,17 @@ def check_model(key: str, name: str, train_layers: int = 0, positions: int = 0) 
     if train_layers and depth is not None and train_layers > depth:
         problems.append(f"train.train_layers is {train_layers} but {name} has {depth} blocks; set it to at most "
                         f"{depth}, or to 0 to train every weight (the embeddings included)")
-    most = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    most = positions_of(config)
     if positions and most and positions > most:
         problems.append(f"{key}: {name} has {most} positions, but a prompt of model.max_prompt_tokens and the "
                         f"longest agent.*.max_new_tokens need {positions}; lower those, or use a model with a "
                         f"longer context")
     return problems
+
+
+def positions_of(config) -> int | None:
+    """The most positions (prompt and reply together) a model's config allows, if it says."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
 def planner_name(model_cfg: dict) -> str:
@@ -171,18 +181,43 @@ def reference_needed(cfg: dict) -> bool:
 def check_models(cfg: dict, training: bool = True) -> list[str]:
     """check_model for the run's models (their depth against train.train_layers when
     training), and, where the planner has a model of its own, that it shares the frozen
-    modules' tokenizer (the same ids for the same text), one line each."""
+    modules' tokenizer (the same ids for the same text); then that each module's longest
+    call fits its model's positions (prompt_problems). One line each."""
     m, layers = cfg["model"], cfg["train"]["train_layers"] if training else 0
     need = m["max_prompt_tokens"] + max(cfg["agent"][k]["max_new_tokens"] for k in ("planner", "executor", "verifier",
                                                                                     "generator"))
     if planner_name(m) == m["name"]:
-        return check_model("model.name", m["name"], layers, need)
+        return check_model("model.name", m["name"], layers, need) or prompt_problems(cfg)
     problems = check_model("model.planner", m["planner"], layers, need) + check_model("model.name", m["name"], 0, need)
     if not problems:
         a, b = (AutoTokenizer.from_pretrained(resolve_model(n)) for n in (m["planner"], m["name"]))
         if a.get_vocab() != b.get_vocab() or a.eos_token_id != b.eos_token_id:
             problems.append(f"model.planner: {m['planner']} and model.name {m['name']} have different tokenizers; "
                             f"the frozen modules read the planner's token ids, so both need the same one")
+    return problems or prompt_problems(cfg)
+
+
+def prompt_problems(cfg: dict) -> list[str]:
+    """A line for each module whose longest call under the config (agentflow.longest_prompts:
+    its prompt's own text, the memory and other bounded parts, its reply) needs more
+    positions than its model has: the planner's model.planner (or model.name), the others'
+    model.name. Tokenizers and config.json only, no weights."""
+    from agentflow import longest_prompts  # the prompts' home (a method file, so imported only here)
+    m = cfg["model"]
+    names = {"planner": planner_name(m), "executor": m["name"], "verifier": m["name"], "generator": m["name"]}
+    tok = {n: AutoTokenizer.from_pretrained(resolve_model(n)) for n in set(names.values())}
+    longest = longest_prompts(cfg, tok[names["planner"]], tok[m["name"]])
+    problems = []
+    for module, bound in longest.items():
+        name = names[module]
+        key = "model.planner" if name != m["name"] else "model.name"
+        most = positions_of(AutoConfig.from_pretrained(resolve_model(name)))
+        if most and bound.total > most:
+            parts = " + ".join(f"up to {n} {what}" for n, what in bound.parts)
+            problems.append(f"agent.{module}: a call can take {bound.total} tokens, more than the {most} positions "
+                            f"of {key} {name}: its prompt's own text {bound.text} + {parts} = {bound.total} > "
+                            f"{most}, before the question; lower those settings, shorten its prompts "
+                            f"(agent.prompts) or the toolset, or use a model with more positions")
     return problems
 
 

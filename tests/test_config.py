@@ -323,6 +323,31 @@ def test_a_model_too_short_for_a_prompt_and_an_action_is_refused(tiny_model_dir,
     assert "model.max_prompt_tokens" in msg
 
 
+def test_a_model_too_short_for_the_prompts_the_modules_build_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    """512 positions and model.max_prompt_tokens=400: the cap and the longest reply fit (448),
+    but the executor's prompt alone (its system prompt holds a worked example per tool) is
+    longer than 512 tokens. Refused before any weights load, naming the module and each
+    figure, whose sum is the total; the shipped configs' modules fit the default model."""
+    import re
+    import shutil
+    from support import models
+    short = tmp_path / "short"
+    shutil.copytree(tiny_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    msg = fails(cfg(f"model.name={short}", "model.max_prompt_tokens=400", "train.train_layers=2"), "agent.executor:",
+                f"more than the 512 positions of model.name {short}", "up to 800 of memory (agent.memory_budget_chars)",
+                "up to 16 of the planner's sub-goal (agent.planner.max_new_tokens)",
+                "up to 48 of reply (agent.executor.max_new_tokens)")
+    line = next(ln for ln in msg.splitlines() if ln.startswith("agent.executor:"))
+    text, total = (int(x) for x in re.search(r"its prompt's own text (\d+) .* = (\d+) > 512", line).groups())
+    assert text > 512 and total == text + 800 + 16 + 48
+    assert "model.max_prompt_tokens" not in msg  # the cap itself fits: the prompts do not
+    for path in (ROOT / "config.yaml", ROOT / "configs" / "smoke.yaml"):
+        check(cfg(path=path))
+
+
 def test_a_folder_without_a_tokenizer_says_what_a_model_folder_needs(tiny_model_dir, tmp_path):
     import shutil
     bare = tmp_path / "bare"
@@ -330,6 +355,20 @@ def test_a_folder_without_a_tokenizer_says_what_a_model_folder_needs(tiny_model_
     for name in ("config.json", "model.safetensors"):  # a model, without its tokenizer's files
         shutil.copy(Path(tiny_model_dir) / name, bare / name)
     fails(cfg(f"model.name={bare}"), "model.name", "tokenizer.json or tokenizer.model")
+
+
+@pytest.mark.parametrize("broken", ["{}", "{not json"])
+def test_a_planner_folder_whose_tokenizer_cannot_be_built_is_refused_for_that(tiny_model_dir, tmp_path, broken):
+    """Tokenizer files no tokenizer can be built from (JSON that is not a tokenizer's, or not
+    JSON): as model.planner, refused for that, with the error, not as 'different tokenizers'
+    and not with a traceback (the first raises a KeyError inside transformers)."""
+    import shutil
+    planner = tmp_path / "planner"
+    shutil.copytree(tiny_model_dir, planner)
+    (planner / "tokenizer.json").write_text(broken)
+    msg = fails(cfg(f"model.planner={planner}", f"model.name={tiny_model_dir}", "train.train_layers=2"),
+                "model.planner:", f"no tokenizer can be built from the files of {planner}", "tokenizer.json")
+    assert "different tokenizers" not in msg
 
 
 def test_a_replaced_prompt_must_name_a_prompt_and_keep_its_fields():
