@@ -252,7 +252,7 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     if shape.lora_rank:  # fp32 adapters (lora.py): no masters; pi_ref is the base without them
         low = False
         add((f"LoRA adapters, fp32 ({shape.trained / 1e6:.1f}M parameters)", shape.trained * 4,
-             f"train.lora_rank {shape.lora_rank} on {blocks}' {', '.join(shape.lora_targets)}"))
+             f"train.lora_rank {shape.lora_rank}: {', '.join(shape.lora_targets)} of {blocks}"))
         if reference:
             add(("the reference: the same weights with the adapters off, no copy", 0.0, "lora.without_adapters"))
     ref_copies = shape.trained * s if reference and not shape.lora_rank else 0

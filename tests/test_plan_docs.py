@@ -15,6 +15,7 @@ from tools import network_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALING, SEVEN_B = "docs/SCALING.md", "configs/qwen2.5-7b-1gpu.yaml"
+LORA24, LORA48 = "configs/qwen2.5-7b-lora-24gb.yaml", "configs/qwen2.5-7b-lora-48gb.yaml"
 WORDS = {"one": 1, "two": 2, "eight": 8}
 
 # (file, the doc's words as a regex whose group is the figure, the plan's overrides, the
@@ -43,12 +44,32 @@ FIGURES = [
     (SCALING, r"([\d,]+) in the\s+evaluations", "", r"([\d,]+) in the evaluations"),
     (SCALING, r"([\d,]+) in the suite\)", "", r"([\d,]+) in the suite"),
     (SEVEN_B, r"exist once \(~(\d+) GB\)", "", r"weights, one copy .*?([\d.]+) GB"),
+    # The LoRA section: an entry's overrides may start with the config file to plan.
+    (SCALING, r"in bf16 \(([\d.]+) GB\s+for Qwen2.5-7B\)", "", r"weights, one copy .*?([\d.]+) GB"),
+    (SCALING, r"only \(([\d.]+) GB for the 24 GB config\)", LORA24, r"a checkpoint ([\d.]+) GB"),
+    *[(SCALING, rf"\| ([\d.]+) GB of {gb}\.0 \|", overrides, r"([\d.]+) GB of [\d.]+ GB: fits")
+      for gb, overrides in ((80, ""), (48, LORA48), (40, f"{LORA48} model.memory_gb=40"), (24, LORA24))],
+    *[(SCALING, rf"GB of {gb}\.0 \| ([\d.]+) min", overrides, r"tokens: ([\d.]+) min on an H200")
+      for gb, overrides in ((80, ""), (48, LORA48), (40, f"{LORA48} model.memory_gb=40"), (24, LORA24))],
+    *[(SCALING, rf"GB of {gb}\.0 \| [\d.]+ min \((?:rollouts in )?(\d+) sub-batches", overrides,
+       r"rollouts in (\d+) sub-batch")
+      for gb, overrides in ((80, ""), (48, LORA48), (40, f"{LORA48} model.memory_gb=40"), (24, LORA24))],
+    (SCALING, r"autograd keeps\s+([\d.]+) GB for one", LORA24, r"update: activations, .*?([\d.]+) GB"),
+    (SCALING, r"for one ([\d,]+)-token row", LORA24, r"1 x (\d+) tokens"),
+    (LORA24, r"\(~([\d.]+) GB\)", LORA24, r"weights, one copy .*?([\d.]+) GB"),
+    (LORA24, r"take (\d+) sub-batches", LORA24, r"rollouts in (\d+) sub-batch"),
+    (LORA24, r"not (\d+) \(the plan", "", r"rollouts in (\d+) sub-batch"),
+    (LORA24, r"keeps ([\d.]+) GB for one", LORA24, r"update: activations, .*?([\d.]+) GB"),
+    (LORA24, r"for one ([\d,]+)-token row", LORA24, r"1 x (\d+) tokens"),
+    (LORA48, r"\(~([\d.]+) GB\)", LORA48, r"weights, one copy .*?([\d.]+) GB"),
     (SEVEN_B, r"train_layers 8: ~(\d+) GB", "", r"fp32 masters \+ AdamW moments \+ fp32 gradients\s+([\d.]+) GB"),
 ]
 # A figure with a unit the plan prints in: every one in the texts below must be read by an
 # entry of FIGURES, or be one of these, which are not the plan's.
 FIGURE = re.compile(r"\d[\d,.]*(?=-token| GB| h\b| min\b| sub-batch| web-search)")
-NOT_THE_PLAN = [(SEVEN_B, "for an 80 GB card")]  # the budget to give, not a figure of the plan
+# the budget to give, or a card's size: not figures of the plan
+NOT_THE_PLAN = [(SEVEN_B, "for an 80 GB card"), *[(name, f"{gb} GB") for name in (SCALING, LORA24, LORA48)
+                                                   for gb in ("24", "40", "48", "80", "24.0", "48.0")]]
 
 
 def stated(name: str) -> str:
@@ -85,7 +106,9 @@ def plans(tmp_path_factory):
 
     def text(overrides: str) -> str:
         if overrides not in cache:
-            cfg = load_config(str(ROOT / SEVEN_B), ["model.memory_gb=80"] + overrides.split())
+            words = overrides.split()
+            yaml = words.pop(0) if words and words[0].endswith(".yaml") else SEVEN_B
+            cfg = load_config(str(ROOT / yaml), (["model.memory_gb=80"] if yaml == SEVEN_B else []) + words)
             cache[overrides] = device_memory.plan_for(cfg, web_tools=network_tools(cfg)).text()
         return cache[overrides]
 
@@ -108,7 +131,7 @@ def test_every_figure_the_docs_state_is_the_plans(plans):
 
 def test_no_figure_of_the_plan_goes_unchecked():
     unread = []
-    for name in (SCALING, SEVEN_B):
+    for name in (SCALING, SEVEN_B, LORA24, LORA48):
         text = stated(name)
         read = [m.span(1) for doc_words in [f[1] for f in FIGURES if f[0] == name]
                 for m in re.finditer(doc_words, text)]
