@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from agentflow import AgentSystem, agent_config, prompts_with
+from agentflow import AgentSystem, agent_config, longest_prompts, prompts_with
 from engine import LLM
 from judge import Judge, Reward
 from memory import PLANNER_VIEWS
@@ -295,7 +295,7 @@ def load_run(args, extra_overrides: list[str] = ()) -> tuple[dict, list[Item], s
     """(config, items, output folder) of a command line made by `arguments`; a bad config,
     toolset or benchmark file raises ConfigError, FileNotFoundError or ValueError."""
     cfg = load_config(args.config, args.overrides + list(extra_overrides))
-    check_run(cfg, check_eval_names, training=False, model_path=args.model)
+    check_run(cfg, check_eval_names, training=False, model_path=args.model, longest_prompts=longest_prompts)
     if not args.benchmark:  # --suite: each file is read in its turn
         return cfg, [], args.out or str(Path(cfg["out_dir"]) / "eval" / "paper")
     items = load_benchmark(args.benchmark, limit=args.limit or None)

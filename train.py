@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from agentflow import AgentSystem, agent_config
+from agentflow import AgentSystem, agent_config, longest_prompts
 from engine import LLM
 from eval import check_eval_names, evaluate
 from flow_grpo import ADVANTAGE_ESTIMATORS, LossConfig, UpdateConfig, frozen_reference, kept_rows, policy_update
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
                 return 2
             print(plan.text())
             return 0 if plan.fits else 3
-        check_run(cfg, check_train_names)  # data, judge, tools, reward, models, disk: all at once
+        check_run(cfg, check_train_names, longest_prompts=longest_prompts)  # data, ..., prompts, disk: all at once
         if ranks.env_main():  # rank 0's: the others could see it writing there; if it stops, torchrun stops them
             check_out_dir(cfg)  # out_dir is new, or this config's run to resume: no other run is overwritten
     except ConfigError as e:

@@ -452,18 +452,20 @@ def check_tools(cfg: dict, classes: dict[str, type]) -> list[str]:
 # Preflight: what the config points at, checked before anything heavy happens.
 
 def check_run(cfg: dict, check_names: Callable[[dict], list[str]], training: bool = True,
-              model_path: str | None = None) -> None:
+              model_path: str | None = None, longest_prompts: Callable | None = None) -> None:
     """What a run needs before any model loads, every problem at once (one ConfigError, a
     line each): the data (for training) and the judge's endpoint (preflight), what the
     config names (check_names(cfg): the method files' check, train.check_train_names or
     eval.check_eval_names, whose lines join these), the models' own files (chat template,
-    depth, cache, one tokenizer: support/models.check_models), a trained planner to evaluate
-    (model_path: eval.py --model), and for training the disk its checkpoints need."""
+    depth, cache, one tokenizer: support/models.check_models) and, with longest_prompts
+    (agentflow.longest_prompts: the method files pass it, as support imports nothing above
+    it), each module's longest call against its model's positions, a trained planner to
+    evaluate (model_path: eval.py --model), and for training the disk its checkpoints need."""
     # Imported here: reading a config needs neither torch nor transformers.
     from support.device_memory import plan_for
     from support.models import check_model, check_models
     problems = preflight(cfg, data=training) + check_names(cfg)
-    models = check_models(cfg, training) + (check_model("--model", model_path) if model_path else [])
+    models = check_models(cfg, training, longest_prompts) + (check_model("--model", model_path) if model_path else [])
     problems += models
     if training and not models:  # the plan reads the config.json check_models just read
         problems += [p for p in [disk_problem(cfg["out_dir"], plan_for(cfg).disk_bytes)] if p]

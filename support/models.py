@@ -178,31 +178,33 @@ def reference_needed(cfg: dict) -> bool:
     return cfg["train"]["beta"] > 0 or planner_name(cfg["model"]) == cfg["model"]["name"]
 
 
-def check_models(cfg: dict, training: bool = True) -> list[str]:
+def check_models(cfg: dict, training: bool = True, longest_prompts=None) -> list[str]:
     """check_model for the run's models (their depth against train.train_layers when
     training), and, where the planner has a model of its own, that it shares the frozen
-    modules' tokenizer (the same ids for the same text); then that each module's longest
-    call fits its model's positions (prompt_problems). One line each."""
+    modules' tokenizer (the same ids for the same text); then, given longest_prompts
+    (agentflow's, which the method files pass in), that each module's longest call fits its
+    model's positions (prompt_problems). One line each."""
     m, layers = cfg["model"], cfg["train"]["train_layers"] if training else 0
     need = m["max_prompt_tokens"] + max(cfg["agent"][k]["max_new_tokens"] for k in ("planner", "executor", "verifier",
                                                                                     "generator"))
     if planner_name(m) == m["name"]:
-        return check_model("model.name", m["name"], layers, need) or prompt_problems(cfg)
+        problems = check_model("model.name", m["name"], layers, need)
+        return problems or (prompt_problems(cfg, longest_prompts) if longest_prompts else [])
     problems = check_model("model.planner", m["planner"], layers, need) + check_model("model.name", m["name"], 0, need)
     if not problems:
         a, b = (AutoTokenizer.from_pretrained(resolve_model(n)) for n in (m["planner"], m["name"]))
         if a.get_vocab() != b.get_vocab() or a.eos_token_id != b.eos_token_id:
             problems.append(f"model.planner: {m['planner']} and model.name {m['name']} have different tokenizers; "
                             f"the frozen modules read the planner's token ids, so both need the same one")
-    return problems or prompt_problems(cfg)
+    return problems or (prompt_problems(cfg, longest_prompts) if longest_prompts else [])
 
 
-def prompt_problems(cfg: dict) -> list[str]:
-    """A line for each module whose longest call under the config (agentflow.longest_prompts:
-    its prompt's own text, the memory and other bounded parts, its reply) needs more
-    positions than its model has: the planner's model.planner (or model.name), the others'
-    model.name. Tokenizers and config.json only, no weights."""
-    from agentflow import longest_prompts  # the prompts' home (a method file, so imported only here)
+def prompt_problems(cfg: dict, longest_prompts) -> list[str]:
+    """A line for each module whose longest call under the config (longest_prompts(cfg,
+    planner tokenizer, frozen tokenizer): agentflow.longest_prompts, its prompt's own text,
+    the memory and the other bounded parts, its reply) needs more positions than its model
+    has: the planner's model.planner (or model.name), the others' model.name. Tokenizers
+    and config.json only, no weights."""
     m = cfg["model"]
     names = {"planner": planner_name(m), "executor": m["name"], "verifier": m["name"], "generator": m["name"]}
     tok = {n: AutoTokenizer.from_pretrained(resolve_model(n)) for n in set(names.values())}

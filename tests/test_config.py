@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from agentflow import longest_prompts  # noqa: E402
 from eval import check_eval_names  # noqa: E402
 from support.config import ConfigError, check_run, load_config  # noqa: E402
 from support.models import model_name_problem  # noqa: E402
@@ -28,7 +29,8 @@ def cfg(*overrides, path=ROOT / "config.yaml"):
 
 def check(c, data=True, model_path=None):
     """What train.py (data=True) and eval.py check once the file is read."""
-    check_run(c, check_train_names if data else check_eval_names, training=data, model_path=model_path)
+    check_run(c, check_train_names if data else check_eval_names, training=data, model_path=model_path,
+              longest_prompts=longest_prompts)
 
 
 def fails(c, *words, **kw):
@@ -323,13 +325,16 @@ def test_a_model_too_short_for_a_prompt_and_an_action_is_refused(tiny_model_dir,
     assert "model.max_prompt_tokens" in msg
 
 
-def test_a_model_too_short_for_the_prompts_the_modules_build_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_model_too_short_for_the_prompts_the_modules_build_is_refused(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys):
     """512 positions and model.max_prompt_tokens=400: the cap and the longest reply fit (448),
     but the executor's prompt alone (its system prompt holds a worked example per tool) is
     longer than 512 tokens. Refused before any weights load, naming the module and each
-    figure, whose sum is the total; the shipped configs' modules fit the default model."""
+    figure, whose sum is the total, by train.py's command too; the shipped configs' modules
+    fit the default model."""
     import re
     import shutil
+    import train
     from support import models
     short = tmp_path / "short"
     shutil.copytree(tiny_model_dir, short)
@@ -344,6 +349,9 @@ def test_a_model_too_short_for_the_prompts_the_modules_build_is_refused(tiny_mod
     text, total = (int(x) for x in re.search(r"its prompt's own text (\d+) .* = (\d+) > 512", line).groups())
     assert text > 512 and total == text + 800 + 16 + 48
     assert "model.max_prompt_tokens" not in msg  # the cap itself fits: the prompts do not
+    assert train.main([str(ROOT / "config.yaml"), *DATA, f"model.name={short}", "model.max_prompt_tokens=400",
+                       "train.train_layers=2", f"out_dir={tmp_path / 'run'}"]) == 2
+    assert f"config error: {line}" in capsys.readouterr().err
     for path in (ROOT / "config.yaml", ROOT / "configs" / "smoke.yaml"):
         check(cfg(path=path))
 
