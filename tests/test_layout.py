@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHOD = ["train", "agentflow", "engine", "memory", "tools", "judge", "flow_grpo", "eval"]  # the reading path
+METHOD = ["train", "agentflow", "engine", "memory", "tools", "judge", "flow_grpo", "lora", "eval"]  # the reading path
 
 
 def project_modules(root: Path) -> dict[str, Path]:
