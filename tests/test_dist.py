@@ -48,6 +48,8 @@ INFRA = ("train.steps=1", "train.eval_before_after=false", "model.threads=1", "t
 # An estimator over the batch (REINFORCE++-baseline: one std over every group of the step):
 # each rank's advantages must be those of all ranks' groups at once, not of its own alone.
 BATCH = (*EQUAL, "train.advantage=reinforce_pp_baseline")
+# LoRA (lora.py): the adapters' gradients summed over ranks like any trained weight's.
+LORA = (*EQUAL, "train.lora_rank=4", "train.lora_alpha=8")
 RESUME = ("train.save_every=1", "train.eval_before_after=false", "model.threads=1", "train.queries_per_step=3")
 # Two ranks sum the gradient in another order than one process (per rank, then across),
 # so gradients agree to float rounding, not to the bit. AdamW divides each gradient by its
@@ -124,7 +126,8 @@ def runs(tiny_model_dir, tmp_path_factory):
             return out
         with pytest.MonkeyPatch.context() as split:
             split.setattr(AgentSystem, "rollout", as_two_ranks)
-            for name, extra in (("one", EQUAL), ("bf16_one", BF16), ("lone_one", LONE), ("batch_one", BATCH)):
+            for name, extra in (("one", EQUAL), ("bf16_one", BF16), ("lone_one", LONE), ("batch_one", BATCH),
+                                ("lora_one", LORA)):
                 train.run(load_config(str(ROOT / "config.yaml"), tiny_overrides(tiny_model_dir, work / name, *extra)))
             from tools import LocalSearch
             split.setattr(LocalSearch, "_run", flaky(LocalSearch._run))
@@ -143,6 +146,7 @@ def runs(tiny_model_dir, tmp_path_factory):
               {"train": tiny_overrides(tiny_model_dir, work / "bf16_two", *BF16)},
               {"train": tiny_overrides(tiny_model_dir, work / "lone_two", *LONE)},
               {"train": tiny_overrides(tiny_model_dir, work / "batch_two", *BATCH)},
+              {"train": tiny_overrides(tiny_model_dir, work / "lora_two", *LORA)},
               {"train": tiny_overrides(tiny_model_dir, work / "infra_two", *INFRA), "flaky": True},
               {"train": run_args("full", "train.steps=2")},
               {"train_main": [str(ROOT / "config.yaml"), *run_args("cut", "train.steps=1")]},  # as a user starts it
@@ -196,6 +200,23 @@ def test_two_ranks_take_the_step_one_process_takes(runs, one, two):
         else:
             assert m2[key] == m1[key], key  # counts, rewards, tool shares: the same rollouts
     assert not list(two.glob("*rank*")) and (two / "run.json").exists()  # rank 0 alone writes in out_dir
+
+
+def test_two_ranks_train_the_adapters_one_process_trains(runs):
+    """With LoRA: the same rollouts; both ranks hold the same adapters after the step, the
+    one process's up to the order of the float sums; the merged exports agree alike."""
+    one, two = runs / "lora_one", runs / "lora_two"
+    assert lines(two / "trajectories" / "step_1.jsonl") == lines(one / "trajectories" / "step_1.jsonl")
+    rank0, rank1 = trained(runs / "lora_two_rank0_step1.pt"), trained(runs / "lora_two_rank1_step1.pt")
+    reference = torch.load(one / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)["trained"]
+    assert rank0 and all(k.endswith((".lora_A", ".lora_B")) for k in rank0) and rank0.keys() == reference.keys()
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+        torch.testing.assert_close(rank0[key], reference[key], rtol=0, atol=WEIGHT_ATOL)
+    assert all(float(rank0[k].abs().max()) > 0 for k in rank0 if k.endswith(".lora_B")), "every B must have moved"
+    merged = [load_file(str(path / "model" / "model.safetensors")) for path in (one, two)]
+    for key in merged[0]:
+        torch.testing.assert_close(merged[1][key], merged[0][key], rtol=0, atol=WEIGHT_ATOL)
 
 
 @pytest.mark.parametrize("name", ["two", "bf16_two", "lone_two", "infra_two", "batch_two"])
