@@ -4,6 +4,8 @@
     python -m scripts.speed_bench --quick                          # sequential rollouts on 8, not 32
     python -m scripts.speed_bench --device cuda --dtype bfloat16   # the same code on a GPU
     python -m scripts.speed_bench --threads 1                      # when another job shares the CPU
+    python -m scripts.speed_bench --only lora                      # one part (throughput, prefix, rollout,
+                                                                   #   roofline, lora)
 
 On-policy RL spends most of its time generating, so the engine's speed decides how many
 Flow-GRPO steps a run gets. Measured
@@ -381,6 +383,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="sequential rollouts on 8 trajectories, x4")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); "
                     "1 if another torch job shares the cores: spinning threads then stall each other")
+    ap.add_argument("--only", action="append", choices=("throughput", "prefix", "rollout", "roofline", "lora"),
+                    help="run this part (repeatable); default all")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -389,12 +393,18 @@ def main() -> None:
     llm = LLM(model, tok)
     questions = [row["question"] for row in read_jsonl("data/heldout.jsonl", strict=True)][:64]
     t0 = time.perf_counter()
-    tp = throughput(llm, questions, args.device)
-    prefix_reuse(llm, questions, args.device)
-    rollouts(args, questions)
-    roofline(llm, args, tp["sampler_tokens_per_s_b64"])
-    linear_only(llm, args, tp)
-    lora(llm, args, questions)
+    parts = args.only or ["throughput", "prefix", "rollout", "roofline", "lora"]
+    if "throughput" in parts or "roofline" in parts:  # the roofline's comparison needs part 1's figures
+        tp = throughput(llm, questions, args.device)
+    if "prefix" in parts:
+        prefix_reuse(llm, questions, args.device)
+    if "rollout" in parts:
+        rollouts(args, questions)
+    if "roofline" in parts:
+        roofline(llm, args, tp["sampler_tokens_per_s_b64"])
+        linear_only(llm, args, tp)
+    if "lora" in parts:
+        lora(llm, args, questions)
     print(f"# total {time.perf_counter() - t0:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
