@@ -40,14 +40,16 @@ forward (step 5), which is slower and computes the same.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from transformers import DynamicCache
 
 from support.batching import capped, layout, left_padded, length_groups, unique_prompts
 from support.device_memory import CaptureError, sampler_sub_batches
-from support.kv_cache import PreallocatedLayer, cache_layer, preallocated_cache
+from support.kv_cache import PreallocatedLayer, cache_layer, preallocated_cache, replay_cache
 
 
 @dataclass
@@ -463,21 +465,21 @@ def last_hidden(model, seqs: list[list[int]], pad_id: int, keep: int, shareable:
     n, dev = len(seqs), next(model.parameters()).device
     row_layout, pre_mask, batches = _plan(seqs, shareable, pad_id, dev)
     rest, parts, P = row_layout.rest, row_layout.shared_parts, row_layout.prefix_len
-    work = DynamicCache()
+    # Each forward gets a cache of its own, holding what its rows find before them
+    # (support/kv_cache.replay_cache: a checkpointed block may run its forward twice).
+    work = replay_cache()
     if P:  # the prefix, once at batch 1 (base_model: the decoder without its output layer)
         model.base_model(torch.tensor([seqs[0][:P]], device=dev), cache=work, use_cache=True)
     if len(batches) == 1 and not parts:  # one batch, behind the prefix copied to its rows
-        if P:
-            work.batch_repeat_interleave(n)  # [1, H, P, D] -> [n, H, P, D] in every layer
-        return _hidden_rest(model, rest, pre_mask, pad_id, work, keep)  # [n, keep, d]
+        held = [(layer.keys.repeat_interleave(n, dim=0), layer.values.repeat_interleave(n, dim=0))
+                for layer in work.layers] if P else []  # [1, H, P, D] -> [n, H, P, D] a layer
+        return _hidden_rest(model, rest, pre_mask, pad_id, replay_cache(held), keep)  # [n, keep, d]
     # Keys and values a row finds before its rest, a layer: [groups+1, H, P+width, D] each,
     # a shared group's, then the prefix and pads for rows in none (no groups: the prefix).
     cached_kv = [(layer.keys, layer.values) for layer in work.layers] if P else []
     if parts:
-        shared_cache = DynamicCache()
-        for i, (k, v) in enumerate(cached_kv):  # the prefix, copied to every shared group
-            shared_cache.update(k.expand(len(parts), -1, -1, -1),
-                                v.expand(len(parts), -1, -1, -1), i)
+        shared_cache = replay_cache([(k.expand(len(parts), -1, -1, -1), v.expand(len(parts), -1, -1, -1))
+                                     for k, v in cached_kv])  # the prefix, copied to every shared group
         _hidden_rest(model, parts, pre_mask.new_ones(len(parts), P), pad_id, shared_cache, 1)
         entries = lambda t: torch.cat([t, F.pad(t[:1, :, :P], (0, 0, 0, row_layout.shared_width))])
         cached_kv = [(entries(layer.keys), entries(layer.values)) for layer in shared_cache.layers]
@@ -489,14 +491,32 @@ def last_hidden(model, seqs: list[list[int]], pad_id: int, keep: int, shareable:
     cached_kv = [(k.unbind(0), v.unbind(0)) for k, v in cached_kv]  # a layer: [H, P+width, D] each
     hidden = []
     for rows in batches:
-        batch_cache = DynamicCache()
-        for i, (k, v) in enumerate(cached_kv):  # what the batch's rows find: [c, H, P+width, D]
-            batch_cache.update(torch.stack([k[row_layout.group_of[r]] for r in rows]),
-                               torch.stack([v[row_layout.group_of[r]] for r in rows]), i)
+        batch_cache = replay_cache([(torch.stack([k[row_layout.group_of[r]] for r in rows]),
+                                     torch.stack([v[row_layout.group_of[r]] for r in rows]))
+                                    for k, v in cached_kv])  # what the batch's rows find: [c, H, P+width, D]
         hidden.append(_hidden_rest(model, [rest[r] for r in rows], pre_mask[rows], pad_id,
                                    batch_cache, keep))  # [c, keep, d]
     back = torch.argsort(torch.tensor(sum(batches, []), device=dev))  # batch order -> row order
     return torch.cat(hidden)[back]
+
+
+def checkpoint_blocks(model, train_layers: int) -> None:
+    """Activation checkpointing (train.grad_checkpoint) of the trained blocks (the top
+    `train_layers`, 0: all): in the trainer's forward each keeps only its input, and its
+    activations are computed again when the backward pass reaches it, one block at a time
+    (torch.utils.checkpoint; the same arithmetic twice, so the same gradient to the bit).
+    transformers' decoder layers checkpoint themselves when told to, in training mode (Llama's
+    and Qwen2's only use of the mode is attention dropout, which their configs set to 0, so
+    nothing else changes); last_hidden's caches allow the second forward (replay_cache). The
+    sampler runs without gradient, where a checkpointed block runs as it is."""
+    if getattr(model.config, "attention_dropout", 0.0):
+        raise ValueError(f"train.grad_checkpoint needs attention_dropout 0 (the blocks run in training mode), "
+                         f"the model's is {model.config.attention_dropout}")
+    blocks = model.get_decoder().layers
+    for block in blocks[-train_layers:] if train_layers > 0 else blocks:
+        block.gradient_checkpointing, block._can_checkpoint_with_cache = True, True
+        block._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        block.train()
 
 
 def _hidden_rest(model, rest: list[list[int]], pre_mask, pad_id: int, cache, keep: int):

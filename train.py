@@ -52,7 +52,7 @@ import torch
 from tqdm import tqdm
 
 from agentflow import AgentSystem, agent_config, longest_prompts
-from engine import LLM
+from engine import LLM, checkpoint_blocks
 from eval import check_eval_names, evaluate
 from flow_grpo import ADVANTAGE_ESTIMATORS, LossConfig, UpdateConfig, frozen_reference, kept_rows, policy_update
 from judge import TURN_SCORES, Judge, Reward
@@ -230,6 +230,8 @@ def build_run(cfg: dict) -> Run:
         ref = frozen_reference(model, params) if reference_needed(cfg) else None
         own = planner_name(m) != m["name"]  # model.planner: the modules run model.name
         modules = load_model(m["name"], m["device"], m["dtype"])[0] if own else ref
+        if t["grad_checkpoint"]:  # after pi_ref is made: its blocks run as they are
+            checkpoint_blocks(model, t["train_layers"])
         planner, frozen = LLM(model, tok), LLM(modules, tok)
     for llm in (planner, frozen):  # sub-batches and prefill forwards stay inside the plan
         llm.sub_batch_bytes, llm.prefill_tokens = plan.sub_batch_bytes, plan.prefill_tokens

@@ -106,7 +106,8 @@ DEFAULTS = {
         # per_turn (each turn its own advantage, from the score train.turn_score names).
         "advantage_mode": "trajectory",
         # How a group's rewards become advantages (flow_grpo.ADVANTAGE_ESTIMATORS): grpo (the paper:
-        # (R - mean) / std) | dr_grpo (R - mean) | rloo (R - the mean of the others) | one's own.
+        # (R - mean) / std) | dr_grpo (R - mean) | rloo (R - the mean of the others) |
+        # reinforce_pp_baseline (R - the group's mean, over the batch's std) | one's own.
         "advantage": "grpo",
         "turn_score": "outcome",  # per_turn: a score per planner turn (judge.TURN_SCORES, or one's own)
         "row_weight": "trajectory",  # trajectory (J's 1/T_i average over a rollout's turns) | turn (rows alike)
@@ -124,6 +125,10 @@ DEFAULTS = {
         "lora_alpha": 32.0,  # the adapters' scale is lora_alpha / lora_rank
         # the projections of each trained block that get adapters (default: all of attention and MLP)
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        # activation checkpointing of the trained blocks (engine.checkpoint_blocks): each keeps its
+        # input only and runs its forward again in the backward pass; the update then holds one
+        # block's activations instead of every trained block's (the same result, more compute)
+        "grad_checkpoint": False,
         "save_every": 10,  # checkpoint every N steps (and at the end)
         "eval_every": 0,  # held-out evaluation every N steps (0 = only before and after)
         "eval_before_after": True,  # held-out evaluation before the first and after the last step
@@ -368,7 +373,8 @@ def _check_combinations(cfg: dict) -> None:
 # then claim settings its earlier steps never ran with.
 RESUMABLE = {"out_dir", "resume", "train.steps", "train.save_every", "train.eval_every", "train.eval_before_after",
              "train.max_infra_steps", "model.device", "model.threads", "model.memory_gb", "model.max_prompt_tokens",
-             "model.prefill_tokens", "train.micro_batch", "train.logits_chunk", "judge.max_workers"}
+             "model.prefill_tokens", "train.micro_batch", "train.logits_chunk", "train.grad_checkpoint",
+             "judge.max_workers"}
 
 
 def resume_conflicts(saved: dict, cfg: dict) -> list[str]:

@@ -24,7 +24,7 @@ What is resident all run long, and what comes and goes:
 The activation figures are upper bounds written from the modules' forward (which tensors
 autograd saves per token and layer); `python -m scripts.gpu_check` measures them against a
 real device.
-Simplified: no activation checkpointing, no CPU offload; under torchrun each rank's
+Simplified: activation checkpointing by whole trained block only (train.grad_checkpoint), no CPU offload; under torchrun each rank's
 device holds a whole plan (replicas, not shards), for its share of the rollouts.
 """
 
@@ -231,12 +231,15 @@ def reserve_bytes(budget: float, device: str) -> float:
 
 def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, max_prompt: int, max_new: int,
               planner_new: int, rollout_rows: int, eval_rows: int, micro_batch: int, prefill_tokens: int,
-              logits_chunk: int, frozen: Shape | None = None, reference: bool = True) -> Plan:
+              logits_chunk: int, frozen: Shape | None = None, reference: bool = True,
+              checkpointing: bool = False) -> Plan:
     """The plan for one run (all sizes in tokens; budget in bytes or None). `shape` is the
     planner's model; `frozen`, the executor's, verifier's and generator's where it is
     another model (model.planner): its weights are resident too, and the sampler's rows
     are sized for the larger of the two. `reference`: whether the run keeps pi_ref's copies
-    of the trained weights (support/models.reference_needed); without it, no line for them."""
+    of the trained weights (support/models.reference_needed); without it, no line for them.
+    `checkpointing` (train.grad_checkpoint): each trained block keeps its input and the keys
+    and values its cache holds, and one block's activations exist at a time, recomputed."""
     s = torch.finfo(getattr(torch, dtype)).bits // 8  # bytes per weight
     low = s < 4
     plan = Plan(shape, dtype, device, budget, micro_batch=micro_batch)
@@ -312,13 +315,18 @@ def make_plan(shape: Shape, *, dtype: str, device: str, budget: float | None, ma
     tokens = micro_batch * seq
     # With LoRA each adapted projection also keeps its r-dim A x (lora.LoRALinear), per token.
     lora_saved = len(shape.lora_targets) * shape.lora_rank * s
-    saved = tokens * (shape.trained_layers * (saved_per_token_layer(shape, s, seq) + lora_saved)
-                      + (4 + s) * shape.hidden)
+    block = saved_per_token_layer(shape, s, seq) + lora_saved  # one trained block's, per token
+    if checkpointing:  # each block's input and cached keys and values; one block recomputed at a time
+        kept = s * shape.hidden + 2 * shape.kv_heads * shape.head_dim * s
+        saved = tokens * (shape.trained_layers * kept + block + (4 + s) * shape.hidden)
+    else:
+        saved = tokens * (shape.trained_layers * block + (4 + s) * shape.hidden)
     transient = tokens * max(saved_per_token_layer(shape, s, seq), transient_per_token_layer(shape, s))
     mask = micro_batch * seq * seq * s
     add((f"update: activations, {micro_batch} x {seq} tokens x {shape.trained_layers} "
-         + ("blocks with adapters" if shape.lora_rank else "trained blocks"), saved,
-         "train.micro_batch, train.train_layers"))
+         + ("blocks with adapters" if shape.lora_rank else "trained blocks")
+         + (", checkpointed: their inputs + one block's" if checkpointing else ""), saved,
+         "train.micro_batch, train.train_layers" + (", train.grad_checkpoint" if checkpointing else "")))
     add(("  + one layer's backward or the reference's forward, the 4-D mask", transient + mask, ""))
     chunk = min(logits_chunk, micro_batch * planner_new)
     logits = chunk * shape.vocab * chunk_bytes_per_logit(s)
@@ -473,7 +481,8 @@ def plan_for(cfg: dict, config=None, ranks: int = 1, web_tools: list[str] = ()) 
         max_new=max_new, planner_new=a["planner"]["max_new_tokens"],
         rollout_rows=-(-t["queries_per_step"] // ranks) * t["group_size"],  # the largest share
         eval_rows=e["batch_size"], micro_batch=micro_batch, prefill_tokens=m["prefill_tokens"],
-        logits_chunk=t["logits_chunk"], frozen=frozen, reference=reference_needed(cfg))
+        logits_chunk=t["logits_chunk"], frozen=frozen, reference=reference_needed(cfg),
+        checkpointing=t["grad_checkpoint"])
     if t["micro_batch"] != "auto":
         best = plan(t["micro_batch"])
     elif budget is None:  # nothing to fit

@@ -153,6 +153,41 @@ class PreallocatedLayer(DynamicLayer):
         self._views()
 
 
+class ReplayLayer(DynamicLayer):
+    """One layer of the trainer's cache (engine.last_hidden): the keys and values `held` when
+    it is made (a prefix, a shared part, or nothing), and after the forward those followed by
+    the forward's own. Unlike DynamicLayer's, an update never appends to what an earlier
+    update wrote: it returns held + new. So the same update can run twice, which it must
+    when a block is checkpointed (train.grad_checkpoint: the block's forward runs again in
+    the backward pass) and gives the same keys and values both times; without
+    checkpointing it computes exactly what DynamicLayer does (the same torch.cat)."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        super().__init__()
+        self.held = None
+        if keys is not None:
+            self.lazy_initialization(keys, values)
+            self.keys, self.values, self.held = keys, values, (keys, values)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.held is None:  # a forward into an empty layer: its own keys and values
+            self.keys, self.values = key_states, value_states
+        else:  # [b, H, held + new, D]
+            self.keys = torch.cat([self.held[0], key_states], dim=-2)
+            self.values = torch.cat([self.held[1], value_states], dim=-2)
+        return self.keys, self.values
+
+
+def replay_cache(held: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> Cache:
+    """The trainer's cache: one ReplayLayer a layer holding (keys, values) of `held` (none: an
+    empty cache, filled by the first forward)."""
+    if not held:
+        return Cache(layer_class_to_replicate=ReplayLayer)
+    return Cache(layers=[ReplayLayer(k, v) for k, v in held])
+
+
 def preallocated_cache(capacity: int = 0, rows: int = 0) -> Cache:
     """A cache for the sampler whose layers live in buffers of `capacity` positions and
     `rows` rows (0: grow in place as needed), see PreallocatedLayer."""

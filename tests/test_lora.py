@@ -189,7 +189,7 @@ def test_a_lora_run_resumes_bit_exactly(tiny_model_dir, tmp_path, learnable_rewa
 
 # ---- The memory plan with adapters (support/device_memory.py) ---------------------------
 
-@pytest.mark.parametrize("gb, blocks", [(24, 8), (48, 28)])
+@pytest.mark.parametrize("gb, blocks", [(24, 28), (48, 28)])
 def test_the_7b_lora_configs_fit_their_cards_by_plan(qwen7b, gb, blocks):
     """The shipped LoRA configs at the 7B shape, offline: one bf16 copy of the weights, no
     reference copy, no fp32 masters, fp32 adapters of r (in + out) per projection counted by
@@ -212,6 +212,26 @@ def test_the_7b_lora_configs_fit_their_cards_by_plan(qwen7b, gb, blocks):
     reserve = reserve_bytes(gb * GB, "cuda")
     assert 15.0 * GB < weights < 15.5 * GB and p.resident == weights + 16 * p.shape.trained + reserve  # one copy
     assert p.checkpoint_bytes == 12 * p.shape.trained  # the adapters and their two moments only
+    checkpointed = [what for what in lines if what.startswith("update: activations")][0].endswith("one block's")
+    assert checkpointed == (gb == 24)  # 24 GB: train.grad_checkpoint
+
+
+def test_the_plan_of_checkpointed_blocks():
+    """train.grad_checkpoint: each trained block keeps its input and its cached keys and
+    values per token, and one block's activations exist at a time: the update's activation
+    line is that, written out, and smaller than without."""
+    from support.config import load_config
+    from support.device_memory import plan_for, saved_per_token_layer
+    from test_memory_plan import ROOT
+    cfg = lambda *o: load_config(str(ROOT / "configs" / "qwen2.5-7b-lora-24gb.yaml"), ["train.micro_batch=2", *o])
+    on, off = plan_for(cfg()), plan_for(cfg("train.grad_checkpoint=false"))
+    line = lambda p: [(w, b) for w, b, _ in p.items if w.startswith("update: activations")][0]
+    sh, s, seq, tokens = on.shape, 2, 2048 + 256, 2 * (2048 + 256)
+    block = saved_per_token_layer(sh, s, seq) + 7 * 16 * s  # a block's, its adapters' r values too
+    kept = s * sh.hidden + 2 * sh.kv_heads * sh.head_dim * s  # its input, its cached keys and values
+    assert line(on)[1] == tokens * (28 * kept + block + (4 + s) * sh.hidden)
+    assert line(off)[1] == tokens * (28 * block + (4 + s) * sh.hidden) > 5 * line(on)[1]
+    assert "checkpointed" in line(on)[0] and "checkpointed" not in line(off)[0]
 
 
 def test_the_plan_counts_the_adapters_add_adapters_makes(tiny_llm, qwen7b):
@@ -256,3 +276,47 @@ def test_the_update_activations_with_adapters_bound_what_autograd_saves(dtype):
     shape = model_shape(cfg, 2, lora_rank=16, lora_targets=TARGETS)
     planned = 2 * (saved_per_token_layer(shape, s, L) + len(TARGETS) * 16 * s) + (4 + s) * shape.hidden
     assert measured <= planned <= 1.2 * measured, (measured, planned)
+
+
+# ---- Activation checkpointing (train.grad_checkpoint, engine.checkpoint_blocks) ---------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpointed_blocks_give_the_same_loss_and_gradient(tiny_llm, dtype, lora):
+    """The update with the trained blocks checkpointed against without: the same loss and
+    the same gradient to the bit (the backward recomputes each block with the same
+    arithmetic), for the full fine-tune and for adapters, in fp32 and bf16, on rows that
+    share text (the trainer's caches are written twice: replay_cache); and the recompute
+    really ran. The sampler is untouched: checkpointed blocks sample what they sampled."""
+    from engine import checkpoint_blocks
+    from flow_grpo import accumulate_gradients
+    from lora import trained_weights
+    from support.config import DEFAULTS
+
+    t = {**DEFAULTS["train"], "train_layers": 2, "lora_rank": 4 if lora else 0, "lora_alpha": 8.0}
+    base = copy.deepcopy(tiny_llm.model).to(dtype)
+    rows = rows_of(make_trajectories(LLM(base, tiny_llm.tok), 2, 3, seed=2), [1.0, -1.0, 0.5, -0.5, 0.25, 0.0])
+    results = []
+    for checkpointed in (False, True):
+        model = copy.deepcopy(base)
+        params = trained_weights(model, t, seed=1)
+        if lora:
+            with torch.no_grad():
+                for layer in adapters(model).values():
+                    layer.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
+        ref = frozen_reference(model, params)
+        if checkpointed:
+            checkpoint_blocks(model, 2)
+        calls = []  # MLP forwards (a module hook does not see the recompute: count in forward)
+        for block in model.model.layers:
+            block.mlp.forward = (lambda f: lambda *a: calls.append(1) or f(*a))(block.mlp.forward)
+        figures = accumulate_gradients(model, ref, rows, SAMPLING, LossConfig(EPS_LO, EPS_HI, 0.1), tiny_llm.pad_id,
+                                       micro_batch=2)
+        results.append((figures, [p.grad.clone() for p in params], len(calls)))
+        llm = LLM(model, tiny_llm.tok)
+        results[-1] += (llm.sample([rows[0].prompt_ids], SAMPLING, seed=4)[0].ids,)
+    (f0, g0, n0, s0), (f1, g1, n1, s1) = results
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1)) and any(float(g.abs().max()) > 0 for g in g0)
+    assert f0["loss"] == f1["loss"]
+    assert n1 > n0  # each checkpointed block ran its forward again in the backward pass
+    assert s0 == s1
