@@ -54,13 +54,20 @@ FIGURES = [
     *[(SCALING, rf"GB of {gb}\.0 \| [\d.]+ min \((?:rollouts in )?(\d+) sub-batches", overrides,
        r"rollouts in (\d+) sub-batch")
       for gb, overrides in ((80, ""), (48, LORA48), (40, f"{LORA48} model.memory_gb=40"), (24, LORA24))],
-    (SCALING, r"autograd keeps\s+([\d.]+) GB for one", LORA24, r"update: activations, .*?([\d.]+) GB"),
-    (SCALING, r"for one ([\d,]+)-token row", LORA24, r"1 x (\d+) tokens"),
+    (SCALING, r"28 blocks hold ([\d.]+) GB for two", LORA24, r"update: activations, .*?([\d.]+) GB"),
+    (SCALING, r"for (two) [\d,]+-token rows", LORA24, r"update: activations, (\d+) x"),
+    (SCALING, r"for two ([\d,]+)-token rows", LORA24, r"x (\d+) tokens x"),
+    (SCALING, r"8 blocks alone hold ([\d.]+) GB", f"{LORA24} train.grad_checkpoint=false train.train_layers=8 "
+                                                 f"train.micro_batch=1", r"update: activations, .*?([\d.]+) GB"),
+    (SCALING, r"hold [\d.]+ GB for (one)\.", f"{LORA24} train.grad_checkpoint=false train.train_layers=8 "
+                                           f"train.micro_batch=1", r"update: activations, (\d+) x"),
     (LORA24, r"\(~([\d.]+) GB\)", LORA24, r"weights, one copy .*?([\d.]+) GB"),
     (LORA24, r"take (\d+) sub-batches", LORA24, r"rollouts in (\d+) sub-batch"),
     (LORA24, r"not (\d+) \(the plan", "", r"rollouts in (\d+) sub-batch"),
-    (LORA24, r"keeps ([\d.]+) GB for one", LORA24, r"update: activations, .*?([\d.]+) GB"),
-    (LORA24, r"for one ([\d,]+)-token row", LORA24, r"1 x (\d+) tokens"),
+    (LORA24, r"28 blocks hold ([\d.]+) GB", LORA24, r"update: activations, .*?([\d.]+) GB"),
+    (LORA24, r"for two ([\d,]+)-token rows", LORA24, r"x (\d+) tokens x"),
+    (LORA24, r"would be ([\d.]+) GB", f"{LORA24} train.grad_checkpoint=false train.train_layers=8 train.micro_batch=1",
+     r"update: activations, .*?([\d.]+) GB"),
     (LORA48, r"\(~([\d.]+) GB\)", LORA48, r"weights, one copy .*?([\d.]+) GB"),
     (SEVEN_B, r"train_layers 8: ~(\d+) GB", "", r"fp32 masters \+ AdamW moments \+ fp32 gradients\s+([\d.]+) GB"),
 ]
