@@ -22,8 +22,10 @@ import torch
 FAMILIES = ("llama", "qwen2")
 
 
-def build(out: str, family: str = "llama", layers: int = 2, dtype: str = "float32", seed: int = 0) -> str:
-    """Write a random `family` model of `layers` blocks with the default's tokenizer to `out`."""
+def build(out: str, family: str = "llama", layers: int = 2, dtype: str = "float32", seed: int = 0,
+          positions: int = 4096) -> str:
+    """Write a random `family` model of `layers` blocks with the default's tokenizer to `out`,
+    `positions` long (the preflight holds each module's longest call against it)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from support.models import DEFAULT_MODEL, resolve_model
@@ -34,7 +36,7 @@ def build(out: str, family: str = "llama", layers: int = 2, dtype: str = "float3
     config, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     torch.manual_seed(seed)
     model = model_class(config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                                tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     with torch.no_grad():

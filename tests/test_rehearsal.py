@@ -81,7 +81,8 @@ def api(monkeypatch):
 def tiny_qwen2_dir(tmp_path_factory, default_model_path) -> str:
     """A 4-block random Qwen2 in bfloat16 with the project's tokenizer, saved in HF format."""
     from scripts.tiny_model import build
-    return build(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", layers=4, dtype="bfloat16")
+    # Qwen2.5-7B's 32,768 positions: the 7B config's prompts (a 4,000-character memory) need more than 4,096
+    return build(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", layers=4, dtype="bfloat16", positions=32768)
 
 
 def write_data(d: Path) -> tuple[Path, Path]:
