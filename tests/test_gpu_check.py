@@ -202,6 +202,31 @@ GB = 1e9
 ON_CUDA = {"gpu_allocated_peak_gb": 9.0, "gpu_reserved_peak_gb": 19.0, "gpu_expandable_segments": True}
 
 
+def on_the_gpu(monkeypatch, change: dict, command, budget: float) -> None:
+    """A 7B part's CUDA branch on a CPU: the card-shaped model built at the CPU's size, the
+    train.py run stood in for by two rows of metrics.jsonl (step 2's with `change`) after
+    command(cmd, env) has checked how it was started, and the plan by a peak of 10 GB in
+    `budget` bytes."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    build = gpu_check.build_model
+    monkeypatch.setattr(gpu_check, "build_model", lambda shape, dev, dtype: build(Z["card"], "cpu", dtype))
+
+    def run(cmd, cwd, capture_output, text, timeout, env):
+        command(cmd, env)
+        out = Path(next(a for a in cmd if a.startswith("out_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        rows = [{"step": step, "optimizer_steps": 1, "time_rollout": 60.0, "time_judge": 1.0, "time_update": 30.0,
+                 **ON_CUDA, **(change if step == 2 else {})} for step in (1, 2)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    monkeypatch.setattr(gpu_check.device_memory, "plan_for", lambda cfg: types.SimpleNamespace(peak=10 * GB,
+                                                                                                budget=budget))
+
+
 @pytest.mark.parametrize("change, failing", [
     ({}, None),
     ({"gpu_allocated_peak_gb": 11.0}, "paper_allocated_peak_over_plan"),
@@ -213,26 +238,12 @@ def test_the_paper_parts_cuda_checks_on_given_figures(change, failing, monkeypat
     the GPU is stood in for by two rows of metrics.jsonl with the given peaks, and the plan
     by a peak of 10 GB in a budget of 20. The run must not be handed this script's
     allocator setting; each check fails when its figure is over."""
-    import json
-    import subprocess
-    from pathlib import Path
-
-    build = gpu_check.build_model
-    monkeypatch.setattr(gpu_check, "build_model", lambda shape, dev, dtype: build(Z["card"], "cpu", dtype))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as gpu_check sets it at import
 
-    def on_the_gpu(cmd, cwd, capture_output, text, timeout, env):
+    def command(cmd, env):
         assert "PYTORCH_CUDA_ALLOC_CONF" not in env  # only the run's own start-up may turn it on
         assert cmd[1:3] == ["train.py", "configs/qwen2.5-7b-1gpu.yaml"]
-        out = Path(next(a for a in cmd if a.startswith("out_dir=")).split("=", 1)[1])
-        out.mkdir(parents=True)
-        rows = [{"step": step, "optimizer_steps": 1, "time_rollout": 60.0, "time_judge": 1.0, "time_update": 30.0,
-                 **ON_CUDA, **(change if step == 2 else {})} for step in (1, 2)]
-        (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(gpu_check.subprocess, "run", on_the_gpu)
-    monkeypatch.setattr(gpu_check.device_memory, "plan_for", lambda cfg: types.SimpleNamespace(peak=10 * GB,
-                                                                                                budget=20 * GB))
+    on_the_gpu(monkeypatch, change, command, budget=20 * GB)
     r = gpu_check.Report("cuda")
     gpu_check.check_paper(r, Z, "cuda")
     assert r.checked == ["paper_exit_code", "paper_steps_updated", "paper_expandable_segments",
@@ -257,25 +268,10 @@ def test_the_lora24_parts_cuda_checks_on_given_figures(change, failing, monkeypa
     """The lora24 part's CUDA branch on a CPU: train.py is started through the 24 GB cap
     (CAPPED_RUN, then train.py and the LoRA config), its run stood in for by two rows of
     metrics.jsonl, its plan by a peak of 10 GB; each check fails when its figure is over."""
-    import json
-    import subprocess
-    from pathlib import Path
-
-    build = gpu_check.build_model
-    monkeypatch.setattr(gpu_check, "build_model", lambda shape, dev, dtype: build(Z["card"], "cpu", dtype))
-
-    def on_the_gpu(cmd, cwd, capture_output, text, timeout, env):
+    def command(cmd, env):
         assert cmd[1:4] == ["-c", gpu_check.CAPPED_RUN, str(24 * GB)]
         assert cmd[4:6] == ["train.py", "configs/qwen2.5-7b-lora-24gb.yaml"]
-        out = Path(next(a for a in cmd if a.startswith("out_dir=")).split("=", 1)[1])
-        out.mkdir(parents=True)
-        rows = [{"step": step, "optimizer_steps": 1, "time_rollout": 60.0, "time_judge": 1.0, "time_update": 30.0,
-                 **ON_CUDA, **(change if step == 2 else {})} for step in (1, 2)]
-        (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(gpu_check.subprocess, "run", on_the_gpu)
-    monkeypatch.setattr(gpu_check.device_memory, "plan_for", lambda cfg: types.SimpleNamespace(peak=10 * GB,
-                                                                                                budget=24 * GB))
+    on_the_gpu(monkeypatch, change, command, budget=24 * GB)
     r = gpu_check.Report("cuda")
     gpu_check.check_lora24(r, Z, "cuda")
     assert r.checked == ["lora24_exit_code", "lora24_steps_updated", "lora24_allocated_peak_over_plan",
