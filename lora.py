@@ -9,8 +9,9 @@ Not in the paper, whose planner trains every weight on 8 GPUs. LoRA (Hu et al., 
 so the first forward IS the base model's (B = 0: the added term is exactly 0 in any dtype,
 and the first update's ratio rho = pi_theta / pi_old is exactly 1). Only A and B train, in
 float32 (AdamW steps them directly, no fp32 masters needed); the base stays in the model's
-dtype, frozen. On a 7B planner at r = 16 that is ~10M trained weights against 7.6B, so the
-optimizer state is tens of MB instead of tens of GB (docs/SCALING.md).
+dtype, frozen. On Qwen2.5-7B at r = 16 that is 40.4M trained weights on all 28 blocks (11.5M on
+8) against 7.6B, so the optimizer state is hundreds of MB instead of tens of GB
+(docs/SCALING.md).
 
 Where it runs: `LoRALinear` is an nn.Linear with two more parameters, put in place of the
 projections (train.lora_targets) of the trained blocks (train.train_layers). The sampler's
