@@ -46,8 +46,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from transformers import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from support.batching import capped, layout, left_padded, length_groups, unique_prompts
+from support.config import ConfigError
 from support.device_memory import CaptureError, sampler_sub_batches
 from support.kv_cache import PreallocatedLayer, cache_layer, preallocated_cache, replay_cache
 
@@ -509,10 +511,11 @@ def checkpoint_blocks(model, train_layers: int) -> None:
     and Qwen2's only use of the mode is attention dropout, which their configs set to 0, so
     nothing else changes); last_hidden's caches allow the second forward (replay_cache). The
     sampler runs without gradient, where a checkpointed block runs as it is."""
-    if getattr(model.config, "attention_dropout", 0.0):
-        raise ValueError(f"train.grad_checkpoint needs attention_dropout 0 (the blocks run in training mode), "
-                         f"the model's is {model.config.attention_dropout}")
     blocks = model.get_decoder().layers
+    if getattr(model.config, "attention_dropout", 0.0) or not isinstance(blocks[0], GradientCheckpointingLayer):
+        raise ConfigError(f"train.grad_checkpoint needs decoder layers that checkpoint themselves and attention "
+                          f"dropout 0 (the blocks run in training mode); this {model.config.model_type} model's "
+                          f"do not: set train.grad_checkpoint=false")
     for block in blocks[-train_layers:] if train_layers > 0 else blocks:
         block.gradient_checkpointing, block._can_checkpoint_with_cache = True, True
         block._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)

@@ -320,3 +320,11 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradient(tiny_llm, dtype, lo
     assert f0["loss"] == f1["loss"]
     assert n1 > n0  # each checkpointed block ran its forward again in the backward pass
     assert s0 == s1
+
+
+def test_checkpointing_a_model_whose_layers_cannot_is_refused(tiny_llm):
+    from engine import checkpoint_blocks
+    model = copy.deepcopy(tiny_llm.model)
+    model.config.attention_dropout = 0.1
+    with pytest.raises(ConfigError, match="train.grad_checkpoint=false"):
+        checkpoint_blocks(model, 1)
